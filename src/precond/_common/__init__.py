@@ -1,0 +1,5 @@
+"""Framework-independent helpers shared by precond.jax and precond.torch.
+
+Pure Python on shapes and hyperparameters: argument validation with one error
+phrasing, and the factor-structure plan (dense triangular vs diagonal per axis).
+"""

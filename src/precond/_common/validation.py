@@ -1,0 +1,79 @@
+"""Argument validation with one error phrasing for every optimizer.
+
+Every check raises ``ValueError("Invalid <name>=<value!r>: must be <rule>")`` (or
+``TypeError`` for a wrong type), so users see the argument, its value and the valid
+range. Values that are not concrete Python numbers (JAX arrays or tracers passed by
+``optax.inject_hyperparams``, schedules) are left to the caller: they cannot be
+checked at construction.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def _fail(name: str, value: Any, rule: str, error: type[Exception] = ValueError):
+    raise error(f"Invalid {name}={value!r}: must be {rule}")
+
+
+def is_concrete_number(value: Any) -> bool:
+    """True for Python/NumPy real numbers (not bools, arrays, tracers or callables)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_real(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    allow_schedule: bool = False,
+) -> None:
+    """Checks a real hyperparameter lies in the interval [low, high] (ends as given).
+
+    Callables are accepted when ``allow_schedule`` is set (they are schedules of the
+    step count). Array values (e.g. from ``optax.inject_hyperparams``) are accepted
+    unchecked, since they may be traced.
+    """
+    if callable(value):
+        if not allow_schedule:
+            _fail(name, value, "a number, not a callable", TypeError)
+        return
+    if isinstance(value, bool) or isinstance(value, str) or value is None:
+        kind = "a number or a schedule (callable)" if allow_schedule else "a number"
+        _fail(name, value, kind, TypeError)
+    if not is_concrete_number(value):
+        return  # an array: checked by the math, not here
+    lo = "(" if not low_inclusive else "["
+    hi = ")" if not high_inclusive else "]"
+    rule = f"in {lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+    if math.isnan(value):
+        _fail(name, value, f"a finite number {rule}")
+    if low is not None and (value < low or (value == low and not low_inclusive)):
+        _fail(name, value, rule)
+    if high is not None and (value > high or (value == high and not high_inclusive)):
+        _fail(name, value, rule)
+    if math.isinf(value) and (low is None or high is None):
+        _fail(name, value, f"finite, {rule}")
+
+
+def check_int(name: str, value: Any, *, low: int | None = None) -> None:
+    """Checks ``value`` is an integer (not a bool or float) and ``>= low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(name, value, "an integer", TypeError)
+    if low is not None and value < low:
+        _fail(name, value, f">= {low}")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+    """Checks ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+

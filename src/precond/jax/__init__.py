@@ -1,0 +1,19 @@
+"""precond's JAX optimizers, as optax gradient transformations.
+
+``kron`` / ``scale_by_kron`` (PSGD Kron) and its update-probability schedule.
+Kernels of one tensor live in ``precond.jax._kron_math``.
+"""
+
+from precond.jax.kron import (
+    KronState,
+    kron,
+    precond_update_prob_schedule,
+    scale_by_kron,
+)
+
+__all__ = [
+    "KronState",
+    "kron",
+    "precond_update_prob_schedule",
+    "scale_by_kron",
+]

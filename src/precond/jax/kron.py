@@ -1,0 +1,438 @@
+"""PSGD Kron as an optax transformation: ``kron``, ``scale_by_kron`` and its schedule.
+
+Drop-in for ``distributed_kron.kron`` on one device: same argument names and
+defaults. The preconditioner of each parameter is P = ⊗_i Q_iᵀQ_i with one
+triangular or diagonal factor Q_i per axis, fitted online so that P·m̂ is whitened
+(Li 2018, arXiv:1809.10232; Li 2024, arXiv:2402.11858).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from precond._common.factor_plan import MEMORY_SAVE_MODES, plan_diagonal_axes
+from precond._common.validation import (
+    check_choice,
+    check_int,
+    check_real,
+    is_concrete_number,
+)
+from precond.jax import _kron_math as km
+
+# Precision names accepted by jax.default_matmul_precision.
+MATMUL_PRECISIONS = (
+    None,
+    "default",
+    "high",
+    "highest",
+    "bfloat16",
+    "tensorfloat32",
+    "float32",
+)
+# Probability of balancing the factors' norms on a preconditioner update.
+BALANCE_PROBABILITY = 0.01
+# Updates are scaled down so their per-tensor RMS is at most this.
+MAX_UPDATE_RMS = 1.1
+
+
+class KronState(NamedTuple):
+    """State of :func:`scale_by_kron`: arrays only, so any pytree checkpointer saves it."""
+
+    count: jax.Array  # shape=(), dtype=int32: steps taken (skipped steps not counted)
+    mu: optax.Updates | None  # like params, dtype=mu_dtype; None when b1 == 0
+    preconditioners: Any  # like params; each leaf a tuple of factors, one per axis:
+    # (d,) diagonal, (d, d) triangular Q, or (d + 1, d) packed Q with QᵀQ cached
+    update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
+
+
+def precond_update_prob_schedule(
+    max_prob: float = 1.0,
+    min_prob: float = 0.03,
+    decay: float = 0.001,
+    flat_start: float = 500,
+) -> Callable[[jax.Array], jax.Array]:
+    """Probability of updating the preconditioner at step n (1-based).
+
+    p(n) = clip(max_prob · exp(−decay · (n − flat_start)), min_prob, max_prob):
+    flat at ``max_prob`` for ``flat_start`` steps, then annealed towards
+    ``min_prob``. The defaults update every step for 500 steps and reach one
+    update every ~33 steps after about 4000 steps.
+
+    Example:
+        >>> kron(preconditioner_update_probability=precond_update_prob_schedule(
+        ...     min_prob=0.05, flat_start=1000))  # doctest: +SKIP
+    """
+    check_real("max_prob", max_prob, low=0.0, high=1.0)
+    check_real("min_prob", min_prob, low=0.0, high=1.0)
+    check_real("decay", decay, low=0.0)
+    check_real("flat_start", flat_start, low=0.0)
+    if min_prob > max_prob:
+        raise ValueError(
+            f"Invalid min_prob={min_prob!r}: must be <= max_prob={max_prob!r}"
+        )
+
+    def schedule(n: jax.Array) -> jax.Array:
+        prob = max_prob * jnp.exp(-decay * (jnp.asarray(n, jnp.float32) - flat_start))
+        return jnp.clip(prob, min_prob, max_prob)
+
+    return schedule
+
+
+def _validate(
+    *,
+    b1,
+    preconditioner_update_probability,
+    max_size_triangular,
+    min_ndim_triangular,
+    memory_save_mode,
+    preconditioner_lr,
+    preconditioner_init_scale,
+    mu_dtype,
+    precond_dtype,
+    precond_update_precision,
+    precond_grads_precision,
+    seed,
+) -> None:
+    check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
+    check_real(
+        "preconditioner_update_probability",
+        preconditioner_update_probability,
+        low=0.0,
+        high=1.0,
+        allow_schedule=True,
+    )
+    check_int("max_size_triangular", max_size_triangular, low=0)
+    check_int("min_ndim_triangular", min_ndim_triangular, low=0)
+    check_choice("memory_save_mode", memory_save_mode, MEMORY_SAVE_MODES)
+    check_real("preconditioner_lr", preconditioner_lr, low=0.0, low_inclusive=False)
+    check_real(
+        "preconditioner_init_scale",
+        preconditioner_init_scale,
+        low=0.0,
+        low_inclusive=False,
+    )
+    for name, dtype in (("mu_dtype", mu_dtype), ("precond_dtype", precond_dtype)):
+        if dtype is not None and not jnp.issubdtype(np.dtype(dtype), jnp.floating):
+            raise ValueError(f"Invalid {name}={dtype!r}: must be a floating dtype")
+    check_choice("precond_update_precision", precond_update_precision, MATMUL_PRECISIONS)
+    check_choice("precond_grads_precision", precond_grads_precision, MATMUL_PRECISIONS)
+    check_int("seed", seed)
+
+
+def _matmul_precision(precision: str | None):
+    if precision is None:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(precision)
+
+
+def _saturating_increment(count: jax.Array) -> jax.Array:
+    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
+
+
+def scale_by_kron(
+    b1: float = 0.9,
+    preconditioner_update_probability: float | Callable = (
+        precond_update_prob_schedule()
+    ),
+    max_size_triangular: int = 8192,
+    min_ndim_triangular: int = 2,
+    memory_save_mode: str | None = None,
+    momentum_into_precond_update: bool = True,
+    preconditioner_lr: float = 0.1,
+    preconditioner_init_scale: float = 1.0,
+    mu_dtype: Any | None = None,
+    precond_dtype: Any | None = None,
+    precond_update_precision: str | None = "tensorfloat32",
+    precond_grads_precision: str | None = None,
+    *,
+    cache_preconditioner: bool = True,
+    seed: int = 42,
+) -> optax.GradientTransformationExtraArgs:
+    """Scales updates by the PSGD Kron preconditioner (generation-1 update rule).
+
+    Each step, with n the 1-based step count:
+
+    1. m ← β₁m + (1−β₁)g, m̂ = m / (1 − β₁ⁿ).
+    2. With probability p(n) (realised by a deterministic counter: update when
+       1/p steps have passed since the last update), fit the factors: with
+       probability 0.01 balance their norms, draw V ~ N(0, I), and take one
+       :func:`precond.jax._kron_math.update_factors` step on
+       (m̂ + 2^-11.5·mean|m̂|·V, V).
+    3. U = (⊗_i Q_iᵀQ_i)·m̂ with the updated factors, then U ← U / max(1, RMS(U)/1.1).
+
+    An axis gets a diagonal factor if its size is 1 or exceeds
+    ``max_size_triangular``, if the tensor has fewer than ``min_ndim_triangular``
+    dims, or by ``memory_save_mode`` (see
+    :func:`precond._common.factor_plan.plan_diagonal_axes`); otherwise an
+    upper-triangular one. Scalars are treated as shape (1,).
+
+    Non-finite gradients: if any gradient entry is NaN or ±Inf the whole step is
+    skipped: the returned update is zero and the state (momentum, factors, counts)
+    is returned unchanged, so one bad batch never corrupts the preconditioner.
+
+    Args:
+        b1: momentum decay β₁ in [0, 1); 0 keeps no momentum.
+        preconditioner_update_probability: probability in [0, 1] of updating the
+            preconditioner, or a schedule n ↦ p (default
+            :func:`precond_update_prob_schedule`).
+        max_size_triangular: axes longer than this get diagonal factors.
+        min_ndim_triangular: tensors with fewer dims get only diagonal factors.
+        memory_save_mode: None, 'one_diag' (largest axis diagonal) or 'all_diag'.
+        momentum_into_precond_update: fit the preconditioner to m̂ (True) or to the
+            raw gradient (False).
+        preconditioner_lr: step size η of the factor updates.
+        preconditioner_init_scale: initial P = s·I (each of k factors s^{1/k}·I).
+        mu_dtype: momentum dtype (default: the gradient's).
+        precond_dtype: factor dtype (default float32).
+        precond_update_precision: matmul precision of factor updates.
+        precond_grads_precision: matmul precision of applying the preconditioner.
+        cache_preconditioner: keep P_i = Q_iᵀQ_i packed beside each triangular Q_i
+            (d more floats per factor) so steps without an update apply P in half
+            the matmuls. False stores Q alone, as distributed-kron does.
+        seed: seed of the noise and balancing decisions, which are drawn from
+            ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose state is a
+        :class:`KronState`.
+    """
+    _validate(
+        b1=b1,
+        preconditioner_update_probability=preconditioner_update_probability,
+        max_size_triangular=max_size_triangular,
+        min_ndim_triangular=min_ndim_triangular,
+        memory_save_mode=memory_save_mode,
+        preconditioner_lr=preconditioner_lr,
+        preconditioner_init_scale=preconditioner_init_scale,
+        mu_dtype=mu_dtype,
+        precond_dtype=precond_dtype,
+        precond_update_precision=precond_update_precision,
+        precond_grads_precision=precond_grads_precision,
+        seed=seed,
+    )
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
+    keep_momentum = not (is_concrete_number(b1) and b1 == 0)
+
+    def diagonal_axes(shape) -> tuple[bool, ...]:
+        return plan_diagonal_axes(
+            shape,
+            max_size_triangular=max_size_triangular,
+            min_ndim_triangular=min_ndim_triangular,
+            memory_save_mode=memory_save_mode,
+        )
+
+    def init_factors(param: jax.Array) -> tuple[jax.Array, ...]:
+        shape = param.shape or (1,)
+        scale = jnp.asarray(preconditioner_init_scale, precond_dtype) ** (
+            1.0 / len(shape)
+        )
+        factors = []
+        for size, diagonal in zip(shape, diagonal_axes(shape), strict=True):
+            if diagonal:
+                factors.append(scale * jnp.ones((size,), precond_dtype))
+                continue
+            Q = scale * jnp.eye(size, dtype=precond_dtype)
+            factors.append(km.pack_factor(Q) if cache_preconditioner else Q)
+        return tuple(factors)
+
+    def init_fn(params: optax.Params) -> KronState:
+        mu = None
+        if keep_momentum:
+            mu = jax.tree.map(
+                lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
+            )
+        return KronState(
+            count=jnp.zeros([], jnp.int32),
+            mu=mu,
+            preconditioners=jax.tree.map(init_factors, params),
+            update_counter=jnp.zeros([], jnp.int32),
+        )
+
+    def unpacked(factors):
+        if not cache_preconditioner:
+            return list(factors)
+        return [F if F.ndim == 1 else km.unpack_factor(F) for F in factors]
+
+    def repacked(Qs):
+        if not cache_preconditioner:
+            return tuple(Qs)
+        return tuple(Q if Q.ndim == 1 else km.pack_factor(Q) for Q in Qs)
+
+    def apply_preconditioner(factors, G):
+        if cache_preconditioner:
+            grams = [F * F if F.ndim == 1 else km.unpack_gram(F) for F in factors]
+            return km.precondition_with_grams(grams, G)
+        return km.precondition(factors, G)
+
+    def fit_factors(all_factors, fit_targets, key):
+        """One factor update for every tensor (the 'update' branch of step 2)."""
+        balance_key, noise_key = jax.random.split(key)
+        balance = jax.random.uniform(balance_key) < BALANCE_PROBABILITY
+        new_factors = []
+        for index, (factors, G) in enumerate(
+            zip(all_factors, fit_targets, strict=True)
+        ):
+            with jax.named_scope("precond/kron/update_factors"):
+                Qs = unpacked(factors)
+                if len(Qs) > 1:
+                    balanced = km.balance_factors(Qs)
+                    Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs)]
+                V = jax.random.normal(
+                    jax.random.fold_in(noise_key, index), G.shape, precond_dtype
+                )
+                Qs = km.update_factors(
+                    Qs, km.add_damping_noise(G, V), V, preconditioner_lr
+                )
+                Qs = [Q.astype(precond_dtype) for Q in Qs]
+                new_factors.append(repacked(Qs))
+        return new_factors
+
+    def step(updates, state: KronState) -> tuple[optax.Updates, KronState]:
+        grads, treedef = jax.tree.flatten(updates)
+        count = _saturating_increment(state.count)
+        if keep_momentum:
+            mus = [
+                (b1 * m + (1 - b1) * g).astype(m.dtype)
+                for m, g in zip(treedef.flatten_up_to(state.mu), grads, strict=True)
+            ]
+            correction = 1 - jnp.asarray(b1, jnp.float32) ** count
+            mu_hats = [m / correction.astype(m.dtype) for m in mus]
+        else:
+            mus, mu_hats = None, grads
+
+        if callable(preconditioner_update_probability):
+            prob = preconditioner_update_probability(count)
+        else:
+            prob = preconditioner_update_probability
+        update_counter = state.update_counter + 1
+        do_update = update_counter.astype(jnp.float32) >= 1.0 / jnp.asarray(
+            prob, jnp.float32
+        )
+        update_counter = jnp.where(do_update, 0, update_counter).astype(jnp.int32)
+
+        # Work on (1,)-shaped views of scalars, in the factors' dtype.
+        as_tensor = [
+            (m if m.ndim else m.reshape(1)).astype(precond_dtype) for m in mu_hats
+        ]
+        fit_targets = as_tensor
+        if not momentum_into_precond_update:
+            fit_targets = [
+                (g if g.ndim else g.reshape(1)).astype(precond_dtype) for g in grads
+            ]
+        all_factors = treedef.flatten_up_to(state.preconditioners)
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
+        with _matmul_precision(precond_update_precision):
+            all_factors = jax.lax.cond(
+                do_update,
+                lambda f: fit_factors(f, fit_targets, key),
+                lambda f: [tuple(fs) for fs in f],
+                all_factors,
+            )
+
+        new_updates = []
+        with (
+            _matmul_precision(precond_grads_precision),
+            jax.named_scope("precond/kron/precondition"),
+        ):
+            for factors, G, g in zip(all_factors, as_tensor, grads, strict=True):
+                U = apply_preconditioner(factors, G)
+                rms = jnp.sqrt(jnp.mean(jnp.square(U)))
+                U = U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS)
+                new_updates.append(U.reshape(g.shape).astype(g.dtype))
+
+        new_state = KronState(
+            count=count,
+            mu=None if mus is None else treedef.unflatten(mus),
+            preconditioners=treedef.unflatten(all_factors),
+            update_counter=update_counter,
+        )
+        return treedef.unflatten(new_updates), new_state
+
+    def skip(updates, state: KronState) -> tuple[optax.Updates, KronState]:
+        return jax.tree.map(jnp.zeros_like, updates), state
+
+    def update_fn(updates, state: KronState, params=None, **extra_args):
+        del params, extra_args
+        leaves = jax.tree.leaves(updates)
+        if not leaves:
+            return updates, state._replace(count=_saturating_increment(state.count))
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
+        return jax.lax.cond(finite, step, skip, updates, state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def kron(
+    learning_rate: float | Callable = 0.001,
+    b1: float = 0.9,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any | Callable | None = None,
+    preconditioner_update_probability: float | Callable = (
+        precond_update_prob_schedule()
+    ),
+    max_size_triangular: int = 8192,
+    min_ndim_triangular: int = 2,
+    memory_save_mode: str | None = None,
+    momentum_into_precond_update: bool = True,
+    preconditioner_lr: float = 0.1,
+    preconditioner_init_scale: float = 1.0,
+    mu_dtype: Any | None = None,
+    precond_dtype: Any | None = None,
+    precond_update_precision: str | None = "tensorfloat32",
+    precond_grads_precision: str | None = None,
+    *,
+    cache_preconditioner: bool = True,
+    seed: int = 42,
+) -> optax.GradientTransformationExtraArgs:
+    """PSGD Kron: ``chain(scale_by_kron, add_decayed_weights, scale_by_learning_rate)``.
+
+    θ ← θ − lr·(U + λ·mask⊙θ) with U the preconditioned, RMS-clipped momentum of
+    :func:`scale_by_kron` (see it for every other argument). Kron usually wants a
+    learning rate about 3× smaller than Adam's.
+
+    Args:
+        learning_rate: float > 0 or a schedule of the step count.
+        weight_decay: decoupled weight decay λ >= 0.
+        weight_decay_mask: pytree of bools (or callable params ↦ pytree) selecting
+            the parameters that decay.
+
+    Example:
+        >>> import precond.jax as pj
+        >>> optimizer = pj.kron(learning_rate=3e-4, weight_decay=0.01)
+        >>> state = optimizer.init(params)  # doctest: +SKIP
+        >>> updates, state = optimizer.update(grads, state)  # doctest: +SKIP
+    """
+    check_real(
+        "learning_rate", learning_rate, low=0.0, allow_schedule=True
+    )
+    check_real("weight_decay", weight_decay, low=0.0)
+    transforms = [
+        scale_by_kron(
+            b1=b1,
+            preconditioner_update_probability=preconditioner_update_probability,
+            max_size_triangular=max_size_triangular,
+            min_ndim_triangular=min_ndim_triangular,
+            memory_save_mode=memory_save_mode,
+            momentum_into_precond_update=momentum_into_precond_update,
+            preconditioner_lr=preconditioner_lr,
+            preconditioner_init_scale=preconditioner_init_scale,
+            mu_dtype=mu_dtype,
+            precond_dtype=precond_dtype,
+            precond_update_precision=precond_update_precision,
+            precond_grads_precision=precond_grads_precision,
+            cache_preconditioner=cache_preconditioner,
+            seed=seed,
+        )
+    ]
+    if not (is_concrete_number(weight_decay) and weight_decay == 0):
+        transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
+    transforms.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*transforms)

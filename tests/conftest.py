@@ -1,0 +1,15 @@
+"""Test configuration: 8 simulated CPU devices, set before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, (
+    f"expected 8 simulated CPU devices, got {jax.device_count()}: "
+    "was jax imported before tests/conftest.py set XLA_FLAGS?"
+)
