@@ -44,28 +44,41 @@ def check_real(
         if not allow_schedule:
             _fail(name, value, "a number, not a callable", TypeError)
         return
-    if isinstance(value, bool) or isinstance(value, str) or value is None:
+    if not is_concrete_number(value):
+        if hasattr(value, "dtype") and not isinstance(value, bool):
+            return  # an array, maybe traced: checked by the math, not here
         kind = "a number or a schedule (callable)" if allow_schedule else "a number"
         _fail(name, value, kind, TypeError)
-    if not is_concrete_number(value):
-        return  # an array: checked by the math, not here
-    lo = "(" if not low_inclusive else "["
-    hi = ")" if not high_inclusive else "]"
-    rule = f"in {lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+    if low is not None and high is not None:
+        lo = "[" if low_inclusive else "("
+        hi = "]" if high_inclusive else ")"
+        rule = f"in {lo}{low}, {high}{hi}"
+    elif low is not None:
+        rule = f"{'>=' if low_inclusive else '>'} {low}"
+    elif high is not None:
+        rule = f"{'<=' if high_inclusive else '<'} {high}"
+    else:
+        rule = "finite"
     if math.isnan(value):
         _fail(name, value, f"a finite number {rule}")
     if low is not None and (value < low or (value == low and not low_inclusive)):
         _fail(name, value, rule)
     if high is not None and (value > high or (value == high and not high_inclusive)):
         _fail(name, value, rule)
-    if math.isinf(value) and (low is None or high is None):
-        _fail(name, value, f"finite, {rule}")
+    if math.isinf(value):
+        _fail(name, value, f"finite and {rule}")
 
 
 def check_int(name: str, value: Any, *, low: int | None = None) -> None:
     """Checks ``value`` is an integer (not a bool or float) and ``>= low``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(name, value, "an integer", TypeError)
+        rule = "a Python int"
+        if hasattr(value, "shape"):  # an array, e.g. from optax.inject_hyperparams
+            rule += (
+                " (it fixes shapes or seeds at trace time; with"
+                " optax.inject_hyperparams, list it in static_args)"
+            )
+        _fail(name, value, rule, TypeError)
     if low is not None and value < low:
         _fail(name, value, f">= {low}")
 
@@ -75,5 +88,3 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:
         _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
-
-

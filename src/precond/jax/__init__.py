@@ -5,6 +5,7 @@ Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
 from precond.jax.kron import (
+    KRON_STATIC_ARGS,
     KronState,
     kron,
     precond_update_prob_schedule,
@@ -12,6 +13,7 @@ from precond.jax.kron import (
 )
 
 __all__ = [
+    "KRON_STATIC_ARGS",
     "KronState",
     "kron",
     "precond_update_prob_schedule",

@@ -36,6 +36,9 @@ MATMUL_PRECISIONS = (
     "tensorfloat32",
     "float32",
 )
+# Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
+# them as ``static_args`` to ``optax.inject_hyperparams``.
+KRON_STATIC_ARGS = ("max_size_triangular", "min_ndim_triangular", "seed")
 # Probability of balancing the factors' norms on a preconditioner update.
 BALANCE_PROBABILITY = 0.01
 # Updates are scaled down so their per-tensor RMS is at most this.
@@ -121,7 +124,9 @@ def _validate(
     for name, dtype in (("mu_dtype", mu_dtype), ("precond_dtype", precond_dtype)):
         if dtype is not None and not jnp.issubdtype(np.dtype(dtype), jnp.floating):
             raise ValueError(f"Invalid {name}={dtype!r}: must be a floating dtype")
-    check_choice("precond_update_precision", precond_update_precision, MATMUL_PRECISIONS)
+    check_choice(
+        "precond_update_precision", precond_update_precision, MATMUL_PRECISIONS
+    )
     check_choice("precond_grads_precision", precond_grads_precision, MATMUL_PRECISIONS)
     check_int("seed", seed)
 
@@ -276,6 +281,10 @@ def scale_by_kron(
         """One factor update for every tensor (the 'update' branch of step 2)."""
         balance_key, noise_key = jax.random.split(key)
         balance = jax.random.uniform(balance_key) < BALANCE_PROBABILITY
+        # One draw for all tensors: a random-bit generator per tensor compiles slowly.
+        sizes = [G.size for G in fit_targets]
+        noise = jax.random.normal(noise_key, (sum(sizes),), precond_dtype)
+        offsets = np.cumsum([0, *sizes])
         new_factors = []
         for index, (factors, G) in enumerate(
             zip(all_factors, fit_targets, strict=True)
@@ -285,9 +294,7 @@ def scale_by_kron(
                 if len(Qs) > 1:
                     balanced = km.balance_factors(Qs)
                     Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs)]
-                V = jax.random.normal(
-                    jax.random.fold_in(noise_key, index), G.shape, precond_dtype
-                )
+                V = noise[offsets[index] : offsets[index + 1]].reshape(G.shape)
                 Qs = km.update_factors(
                     Qs, km.add_damping_noise(G, V), V, preconditioner_lr
                 )
@@ -410,9 +417,7 @@ def kron(
         >>> state = optimizer.init(params)  # doctest: +SKIP
         >>> updates, state = optimizer.update(grads, state)  # doctest: +SKIP
     """
-    check_real(
-        "learning_rate", learning_rate, low=0.0, allow_schedule=True
-    )
+    check_real("learning_rate", learning_rate, low=0.0, allow_schedule=True)
     check_real("weight_decay", weight_decay, low=0.0)
     transforms = [
         scale_by_kron(

@@ -1,0 +1,196 @@
+"""Tests of ``precond bench``: its data split, its measurements and its CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from precond.bench import cli
+from precond.bench.optimizers import OPTIMIZERS
+from precond.bench.workloads import batch_indices, get_workload, load_digits_split
+
+
+def _rows(x: np.ndarray) -> set[bytes]:
+    return {row.tobytes() for row in np.ascontiguousarray(x)}
+
+
+def test_digits_split_is_deterministic_and_disjoint():
+    first, again, other = (load_digits_split(s) for s in (0, 0, 1))
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
+    assert not np.array_equal(first.y_test, other.y_test)
+
+    # All 1797 rows are used once, and no row of the test set is a train row.
+    assert len(first.x_train) + len(first.x_test) == 1797
+    assert len(first.x_test) == round(0.2 * 1797)
+    train_rows, test_rows = _rows(first.x_train), _rows(first.x_test)
+    assert len(train_rows) == len(first.x_train)
+    assert len(test_rows) == len(first.x_test)
+    assert not train_rows & test_rows
+
+    # Standardised with the train set's statistics: zero mean, unit or zero std.
+    np.testing.assert_allclose(first.x_train.mean(axis=0), 0.0, atol=1e-5)
+    std = first.x_train.std(axis=0)
+    assert np.all((np.abs(std - 1) < 1e-4) | (std < 1e-6))
+    assert first.x_train.dtype == np.float32 and first.y_train.dtype == np.int32
+
+
+def test_batch_indices_are_deterministic_epochs():
+    batches = batch_indices(n_rows=10, batch_size=4, steps=5, seed=3)
+    np.testing.assert_array_equal(batches, batch_indices(10, 4, 5, seed=3))
+    assert not np.array_equal(batches, batch_indices(10, 4, 5, seed=4))
+    assert batches.shape == (5, 4) and batches.dtype == np.int32
+    flat = batches.ravel()
+    # Each epoch of 10 consecutive indices is a permutation of the 10 rows.
+    np.testing.assert_array_equal(np.sort(flat[:10]), np.arange(10))
+    np.testing.assert_array_equal(np.sort(flat[10:20]), np.arange(10))
+    with pytest.raises(ValueError, match="batch_size=11"):
+        batch_indices(10, 11, 1, seed=0)
+
+
+def test_tiny_run_writes_consistent_json(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    status = cli.main(
+        [
+            "bench",
+            "--steps",
+            "5",
+            "--batch-size",
+            "32",
+            "--no-progress",
+            "--lr",
+            "kron=5e-4",
+            "--json",
+            str(path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    document = json.loads(path.read_text())
+    runs = {run["optimizer"]: run for run in document["runs"]}
+    assert set(runs) == {"kron", "adamw"}
+    assert runs["kron"]["learning_rate"] == 5e-4
+    assert runs["adamw"]["learning_rate"] == OPTIMIZERS["adamw"].default_lr
+    assert document["config"]["steps"] == 5
+
+    workload = get_workload("digits-mlp")
+    params = workload.init_params(0)
+    param_bytes = sum(
+        np.asarray(p).nbytes for layer in params for p in layer.values()
+    )
+    for run in runs.values():
+        assert run["param_bytes"] == param_bytes
+        assert len(run["minibatch_loss"]) == 5
+        # The final loss is the last logged one, taken after the last step.
+        assert run["history"][-1]["step"] == 5
+        assert run["final_train_loss"] == run["history"][-1]["train_loss"]
+        assert run["test_accuracy"] == run["history"][-1]["test_accuracy"]
+        assert 0.0 <= run["test_accuracy"] <= 1.0
+        assert run["median_step_ms"] > 0 and run["compile_s"] > 0
+    # AdamW keeps two moments like the parameters plus an int32 step count.
+    assert runs["adamw"]["state_bytes"] == 2 * param_bytes + 4
+    # Kron keeps momentum plus preconditioner factors: more than the momentum.
+    assert runs["kron"]["state_bytes"] > param_bytes
+
+    # The table shows both runs and the state ratio of AdamW to itself.
+    lines = out.splitlines()
+    adamw_row = next(line for line in lines if " adamw " in line)
+    assert adamw_row.split()[-1] == "1.00"
+    assert any(" kron " in line for line in lines)
+
+
+def test_list_names_every_optimizer(capsys):
+    assert cli.main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name, spec in OPTIMIZERS.items():
+        assert any(
+            line.split()[:3] == [name, "lr", f"{spec.default_lr:g}"]
+            for line in out.splitlines()
+        )
+    assert "digits-mlp" in out
+
+
+def test_help_documents_every_flag(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--steps",
+        "--batch-size",
+        "--seed",
+        "--optimizers",
+        "--workloads",
+        "--lr",
+        "--weight-decay",
+        "--json",
+        "--no-progress",
+        "--list",
+    ):
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "phrase"),
+    [
+        (["--optimizers", "kron,sgd"], "unknown optimizer 'sgd'"),
+        (["--optimizers", "kron,kron"], "more than once"),
+        (["--steps", "0"], "--steps: 0 must be >= 1"),
+        (["--steps", "-3"], "--steps: -3 must be >= 1"),
+        (["--steps", "ten"], "'ten' is not an integer"),
+        (["--batch-size", "0"], "--batch-size: 0 must be >= 1"),
+        (["--seed", "-1"], "--seed: -1 must be >= 0"),
+        (["--lr", "kron"], "not of the form NAME=VALUE"),
+        (["--lr", "sgd=1e-3"], "unknown optimizer 'sgd'"),
+        (["--lr", "kron=0"], "must be a finite number > 0"),
+        (["--lr", "kron=nan"], "must be a finite number > 0"),
+        (["--lr", "adamw=1e-3", "--optimizers", "kron"], "not in --optimizers"),
+        (["--lr", "kron=1e-3", "--lr", "kron=2e-3"], "more than once"),
+        (["--weight-decay", "-1"], "--weight-decay"),
+        (["--workloads", "imagenet"], "unknown workload 'imagenet'"),
+        (["--json", "/nonexistent/folder/out.json"], "does not exist"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["--batch-size", "100000"], "exceeds the 1438 training rows"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, phrase, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("precond bench: error:")
+    assert phrase in lines[0]
+
+
+def test_missing_jax_says_how_to_install(monkeypatch, capsys):
+    real_find_spec = cli.importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name == "jax" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(cli.importlib.util, "find_spec", find_spec)
+    assert cli.main(["bench", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "pip install 'precond[jax]'" in err
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert cli.main([]) == 2
+    assert "bench" in capsys.readouterr().err
+
+
+def test_cli_import_does_not_import_jax():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, precond.bench.cli; "
+        "print(any(m == 'jax' or m.startswith(('jax.', 'sklearn', 'optax')) "
+        "for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "False"

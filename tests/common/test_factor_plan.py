@@ -1,0 +1,102 @@
+"""plan_diagonal_axes: which axes get a diagonal factor (algorithms.md Part 1 §1.1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from precond._common.factor_plan import MEMORY_SAVE_MODES, plan_diagonal_axes
+
+
+def plan(shape, *, max_size=8192, min_ndim=2, mode=None):
+    return plan_diagonal_axes(
+        shape,
+        max_size_triangular=max_size,
+        min_ndim_triangular=min_ndim,
+        memory_save_mode=mode,
+    )
+
+
+def test_defaults_give_every_axis_a_triangular_factor():
+    assert plan((256, 128)) == (False, False)
+    assert plan((3, 4, 5)) == (False, False, False)
+
+
+def test_size_one_axes_are_diagonal():
+    assert plan((1, 5)) == (True, False)
+    assert plan((4, 1, 3)) == (False, True, False)
+    assert plan((1, 1)) == (True, True)
+
+
+def test_axes_larger_than_max_size_triangular_are_diagonal():
+    assert plan((10, 3), max_size=8) == (True, False)
+    # The bound is inclusive: a dimension equal to it stays triangular.
+    assert plan((8, 9, 3), max_size=8) == (False, True, False)
+    assert plan((8193, 8192)) == (True, False)
+    assert plan((2, 3), max_size=0) == (True, True)
+
+
+def test_tensors_with_fewer_than_min_ndim_triangular_dims_are_all_diagonal():
+    assert plan((5,)) == (True,)
+    assert plan((5,), min_ndim=1) == (False,)
+    assert plan((5, 4), min_ndim=3) == (True, True)
+    assert plan((5, 4, 3), min_ndim=3) == (False, False, False)
+    assert plan((5, 4), min_ndim=0) == (False, False)
+
+
+def test_one_diag_makes_the_last_of_the_largest_axes_diagonal():
+    assert plan((256, 128), mode="one_diag") == (True, False)
+    assert plan((4, 6, 6), mode="one_diag") == (False, False, True)
+    assert plan((6, 4, 6), mode="one_diag") == (False, False, True)
+    assert plan((6, 6, 4), mode="one_diag") == (False, True, False)
+    assert plan((7,), min_ndim=1, mode="one_diag") == (True,)
+    # It adds to the other rules, never removes a diagonal axis.
+    assert plan((1, 3), mode="one_diag") == (True, True)
+    assert plan((20, 3, 5), max_size=10, mode="one_diag") == (True, False, False)
+
+
+def test_all_diag_makes_every_axis_diagonal():
+    assert plan((256, 128), mode="all_diag") == (True, True)
+    assert plan((2, 3, 4), min_ndim=1, mode="all_diag") == (True, True, True)
+
+
+def test_scalar_is_planned_as_a_length_one_vector():
+    for mode in MEMORY_SAVE_MODES:
+        assert plan((), mode=mode) == (True,)
+        assert plan((), min_ndim=0, mode=mode) == (True,)
+
+
+def test_accepts_any_integer_sequence():
+    assert plan([5, np.int64(1)]) == (False, True)
+    assert plan(np.array([3, 4])) == (False, False)
+
+
+@pytest.mark.parametrize("mode", ["smart_one_diag", "", "ONE_DIAG", 1])
+def test_unknown_memory_save_mode_raises_value_error_naming_it(mode):
+    with pytest.raises(ValueError, match="memory_save_mode") as info:
+        plan((3, 4), mode=mode)
+    message = str(info.value)
+    assert message.startswith(f"Invalid memory_save_mode={mode!r}: must be one of ")
+    for valid in MEMORY_SAVE_MODES:
+        assert repr(valid) in message
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=0, max_size=5),
+    max_size=st.integers(0, 50),
+    min_ndim=st.integers(0, 4),
+    mode=st.sampled_from(MEMORY_SAVE_MODES),
+)
+def test_matches_the_rules_on_random_shapes(shape, max_size, min_ndim, mode):
+    dims = shape or [1]
+    expected = [d == 1 or d > max_size or len(dims) < min_ndim for d in dims]
+    if mode == "all_diag":
+        expected = [True] * len(dims)
+    elif mode == "one_diag":
+        expected[len(dims) - 1 - int(np.argmax(dims[::-1]))] = True
+    got = plan(shape, max_size=max_size, min_ndim=min_ndim, mode=mode)
+    assert got == tuple(expected)
+    assert all(type(x) is bool for x in got)

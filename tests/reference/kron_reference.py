@@ -1,0 +1,133 @@
+"""Float64 NumPy references for the PSGD Kron kernels, written from the math.
+
+Everything here is deliberately explicit and slow: the preconditioner is the dense
+matrix P = Q_1ᵀQ_1 ⊗ … ⊗ Q_kᵀQ_k acting on vec(G), inverses are explicit
+``np.linalg.inv`` matrices, and mode-i unfoldings are built with ``np.moveaxis``
+and ``reshape``. Nothing here imports JAX, so a kernel bug cannot hide in a shared
+helper.
+
+Conventions:
+
+* vec(X) is the C-order ravel ``X.ravel()``. With that ordering
+  vec(X ×_1 M_1 … ×_k M_k) = (M_1 ⊗ … ⊗ M_k)·vec(X), with ``np.kron`` taking the
+  factors in axis order.
+* A factor is a (d, d) upper-triangular matrix Q or a length-d vector q standing
+  for the diagonal matrix diag(q).
+
+Reference: X.-L. Li, "Preconditioned stochastic gradient descent" (2015,
+arXiv:1512.04202) and "Preconditioner on matrix Lie group for SGD" (2018,
+arXiv:1809.10232); the step is ``shared/reference/algorithms.md`` Part 1 §1, 5c-5e.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import reduce
+
+import numpy as np
+
+# sqrt(float32 machine epsilon) = 2^-11.5, the damping-noise scale.
+DAMPING_SCALE = 2.0**-11.5
+# Smallest normal float32: the guard added to step-size denominators.
+TINY = float(np.finfo(np.float32).tiny)
+
+
+def factor_matrix(Q: np.ndarray) -> np.ndarray:
+    """The factor as a dense matrix: Q itself, or diag(q) for a diagonal factor."""
+    Q = np.asarray(Q, dtype=np.float64)
+    return np.diag(Q) if Q.ndim == 1 else Q
+
+
+def factor_gram(Q: np.ndarray) -> np.ndarray:
+    """Q_iᵀQ_i as a dense matrix (diag(q²) for a diagonal factor)."""
+    M = factor_matrix(Q)
+    return M.T @ M
+
+
+def kron_all(matrices: Sequence[np.ndarray]) -> np.ndarray:
+    """M_1 ⊗ M_2 ⊗ … ⊗ M_k (``np.kron`` in axis order)."""
+    return reduce(np.kron, [np.asarray(M, dtype=np.float64) for M in matrices])
+
+
+def preconditioner_matrix(Qs: Sequence[np.ndarray]) -> np.ndarray:
+    """The dense preconditioner P = ⊗_i Q_iᵀQ_i, of size (∏d_i, ∏d_i)."""
+    return kron_all([factor_gram(Q) for Q in Qs])
+
+
+def apply_kron(matrices: Sequence[np.ndarray], X: np.ndarray) -> np.ndarray:
+    """X ×_1 M_1 … ×_k M_k computed as (⊗ M_i)·vec(X), reshaped back."""
+    X = np.asarray(X, dtype=np.float64)
+    return (kron_all(matrices) @ X.ravel()).reshape(X.shape)
+
+
+def precondition(Qs: Sequence[np.ndarray], G: np.ndarray) -> np.ndarray:
+    """U with vec(U) = P·vec(G), P = ⊗_i Q_iᵀQ_i."""
+    G = np.asarray(G, dtype=np.float64)
+    return (preconditioner_matrix(Qs) @ G.ravel()).reshape(G.shape)
+
+
+def unfold(X: np.ndarray, axis: int) -> np.ndarray:
+    """The mode-``axis`` unfolding X_(i): a (d_i, ∏_{j≠i} d_j) matrix."""
+    X = np.asarray(X, dtype=np.float64)
+    return np.moveaxis(X, axis, 0).reshape(X.shape[axis], -1)
+
+
+def norm_lower_bound(S: np.ndarray) -> float:
+    """lb(S) of algorithms.md: s = max|S|, Ŝ = S/s, x = the column of Ŝ with the
+    largest norm, y = xᵀŜ, lb = s·‖(y/‖y‖)Ŝᵀ‖₂; 0 for S = 0."""
+    S = np.asarray(S, dtype=np.float64)
+    s = np.max(np.abs(S))
+    if s == 0:
+        return 0.0
+    S_hat = S / s
+    j = int(np.argmax(np.sum(S_hat**2, axis=0)))
+    x = S_hat[:, j]
+    y = x @ S_hat
+    y = y / np.linalg.norm(y)
+    return float(s * np.linalg.norm(y @ S_hat.T))
+
+
+def add_damping_noise(G: np.ndarray, V: np.ndarray) -> np.ndarray:
+    """G̃ = G + 2^-11.5·mean|G|·V."""
+    G = np.asarray(G, dtype=np.float64)
+    return G + DAMPING_SCALE * np.mean(np.abs(G)) * np.asarray(V, np.float64)
+
+
+def update_factors(
+    Qs: Sequence[np.ndarray], G: np.ndarray, V: np.ndarray, lr: float
+) -> list[np.ndarray]:
+    """One generation-1 PSGD Kron factor step (algorithms.md Part 1 §1, 5c-5e).
+
+    c. A = G ×_1 Q_1 … ×_k Q_k, i.e. vec(A) = (⊗ Q_i)·vec(G).
+    d. B = V ×_1 Q_1^{-T} … ×_k Q_k^{-T}, i.e. vec(B) = (⊗ Q_i^{-T})·vec(V),
+       with explicit inverses.
+    e. For each axis i, from the same A and B: T1 = A_(i)A_(i)ᵀ, T2 = B_(i)B_(i)ᵀ;
+       triangular: Q_i ← Q_i − η/(lb(T1 + T2) + tiny)·triu(T1 − T2)·Q_i;
+       diagonal:   q_i ← q_i − η/(max|T1 + T2| + tiny)·(T1 − T2)⊙q_i with only
+       the diagonals of T1, T2.
+    """
+    mats = [factor_matrix(Q) for Q in Qs]
+    A = apply_kron(mats, G)
+    B = apply_kron([np.linalg.inv(M).T for M in mats], V)
+    new_Qs = []
+    for axis, Q in enumerate(Qs):
+        Q = np.asarray(Q, dtype=np.float64)
+        A_i, B_i = unfold(A, axis), unfold(B, axis)
+        T1 = A_i @ A_i.T
+        T2 = B_i @ B_i.T
+        if Q.ndim == 1:
+            t1, t2 = np.diag(T1), np.diag(T2)
+            step = lr / (np.max(np.abs(t1 + t2)) + TINY)
+            new_Qs.append(Q - step * (t1 - t2) * Q)
+        else:
+            step = lr / (norm_lower_bound(T1 + T2) + TINY)
+            new_Qs.append(Q - step * np.triu(T1 - T2) @ Q)
+    return new_Qs
+
+
+def balance_factors(Qs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """n_i = max|Q_i|, γ = (∏ n_i)^{1/k}, Q_i ← Q_i·γ/n_i."""
+    Qs = [np.asarray(Q, dtype=np.float64) for Q in Qs]
+    norms = np.array([np.max(np.abs(Q)) for Q in Qs])
+    gamma = np.prod(norms) ** (1.0 / len(Qs))
+    return [Q * (gamma / n) for Q, n in zip(Qs, norms, strict=True)]
