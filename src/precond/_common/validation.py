@@ -45,8 +45,8 @@ def check_real(
             _fail(name, value, "a number, not a callable", TypeError)
         return
     if not is_concrete_number(value):
-        if hasattr(value, "dtype") and not isinstance(value, bool):
-            return  # an array, maybe traced: checked by the math, not here
+        if getattr(getattr(value, "dtype", None), "kind", None) in ("f", "i", "u"):
+            return  # a numeric array, maybe traced: checked by the math, not here
         kind = "a number or a schedule (callable)" if allow_schedule else "a number"
         _fail(name, value, kind, TypeError)
     if low is not None and high is not None:
@@ -60,13 +60,13 @@ def check_real(
     else:
         rule = "finite"
     if math.isnan(value):
-        _fail(name, value, f"a finite number {rule}")
+        _fail(name, value, rule if rule == "finite" else f"finite and {rule}")
     if low is not None and (value < low or (value == low and not low_inclusive)):
         _fail(name, value, rule)
     if high is not None and (value > high or (value == high and not high_inclusive)):
         _fail(name, value, rule)
     if math.isinf(value):
-        _fail(name, value, f"finite and {rule}")
+        _fail(name, value, rule if rule == "finite" else f"finite and {rule}")
 
 
 def check_int(name: str, value: Any, *, low: int | None = None) -> None:
@@ -86,5 +86,5 @@ def check_int(name: str, value: Any, *, low: int | None = None) -> None:
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     """Checks ``value`` is one of ``choices``."""
     choices = tuple(choices)
-    if value not in choices:
+    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
         _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))

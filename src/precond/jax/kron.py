@@ -88,6 +88,26 @@ def precond_update_prob_schedule(
     return schedule
 
 
+def fit_randomness(
+    key: jax.Array, shapes: list[tuple[int, ...]], dtype: Any
+) -> tuple[jax.Array, list[jax.Array]]:
+    """The random draws of one factor update: whether to balance, and V per tensor.
+
+    ``key`` is ``fold_in(PRNGKey(seed), n)`` at step n. One normal draw covers all
+    tensors (in pytree-leaf order), since a generator per tensor compiles slowly.
+    """
+    balance_key, noise_key = jax.random.split(key)
+    balance = jax.random.uniform(balance_key) < BALANCE_PROBABILITY
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    noise = jax.random.normal(noise_key, (sum(sizes),), dtype)
+    offsets = np.cumsum([0, *sizes])
+    noises = [
+        noise[offsets[i] : offsets[i + 1]].reshape(shape)
+        for i, shape in enumerate(shapes)
+    ]
+    return balance, noises
+
+
 def _validate(
     *,
     b1,
@@ -279,22 +299,16 @@ def scale_by_kron(
 
     def fit_factors(all_factors, fit_targets, key):
         """One factor update for every tensor (the 'update' branch of step 2)."""
-        balance_key, noise_key = jax.random.split(key)
-        balance = jax.random.uniform(balance_key) < BALANCE_PROBABILITY
-        # One draw for all tensors: a random-bit generator per tensor compiles slowly.
-        sizes = [G.size for G in fit_targets]
-        noise = jax.random.normal(noise_key, (sum(sizes),), precond_dtype)
-        offsets = np.cumsum([0, *sizes])
+        balance, noises = fit_randomness(
+            key, [G.shape for G in fit_targets], precond_dtype
+        )
         new_factors = []
-        for index, (factors, G) in enumerate(
-            zip(all_factors, fit_targets, strict=True)
-        ):
+        for factors, G, V in zip(all_factors, fit_targets, noises, strict=True):
             with jax.named_scope("precond/kron/update_factors"):
                 Qs = unpacked(factors)
                 if len(Qs) > 1:
                     balanced = km.balance_factors(Qs)
                     Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs)]
-                V = noise[offsets[index] : offsets[index + 1]].reshape(G.shape)
                 Qs = km.update_factors(
                     Qs, km.add_damping_noise(G, V), V, preconditioner_lr
                 )
@@ -310,8 +324,11 @@ def scale_by_kron(
                 (b1 * m + (1 - b1) * g).astype(m.dtype)
                 for m, g in zip(treedef.flatten_up_to(state.mu), grads, strict=True)
             ]
-            correction = 1 - jnp.asarray(b1, jnp.float32) ** count
-            mu_hats = [m / correction.astype(m.dtype) for m in mus]
+            mu_hats = []
+            for m in mus:
+                dtype = jnp.promote_types(m.dtype, jnp.float32)
+                correction = 1 - jnp.asarray(b1, dtype) ** count
+                mu_hats.append((m.astype(dtype) / correction).astype(m.dtype))
         else:
             mus, mu_hats = None, grads
 
