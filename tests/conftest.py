@@ -7,7 +7,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 assert jax.device_count() == 8, (
     f"expected 8 simulated CPU devices, got {jax.device_count()}: "

@@ -9,6 +9,8 @@ import pytest
 
 from precond.bench import cli
 from precond.bench.optimizers import OPTIMIZERS
+from precond.bench.report import format_table, json_document
+from precond.bench.runner import RunResult
 from precond.bench.workloads import batch_indices, get_workload, load_digits_split
 
 
@@ -34,14 +36,16 @@ def test_digits_split_is_deterministic_and_disjoint():
     np.testing.assert_allclose(first.x_train.mean(axis=0), 0.0, atol=1e-5)
     std = first.x_train.std(axis=0)
     assert np.all((np.abs(std - 1) < 1e-4) | (std < 1e-6))
-    assert first.x_train.dtype == np.float32 and first.y_train.dtype == np.int32
+    assert first.x_train.dtype == np.float32
+    assert first.y_train.dtype == np.int32
 
 
 def test_batch_indices_are_deterministic_epochs():
     batches = batch_indices(n_rows=10, batch_size=4, steps=5, seed=3)
     np.testing.assert_array_equal(batches, batch_indices(10, 4, 5, seed=3))
     assert not np.array_equal(batches, batch_indices(10, 4, 5, seed=4))
-    assert batches.shape == (5, 4) and batches.dtype == np.int32
+    assert batches.shape == (5, 4)
+    assert batches.dtype == np.int32
     flat = batches.ravel()
     # Each epoch of 10 consecutive indices is a permutation of the 10 rows.
     np.testing.assert_array_equal(np.sort(flat[:10]), np.arange(10))
@@ -77,9 +81,7 @@ def test_tiny_run_writes_consistent_json(tmp_path, capsys):
 
     workload = get_workload("digits-mlp")
     params = workload.init_params(0)
-    param_bytes = sum(
-        np.asarray(p).nbytes for layer in params for p in layer.values()
-    )
+    param_bytes = sum(np.asarray(p).nbytes for layer in params for p in layer.values())
     for run in runs.values():
         assert run["param_bytes"] == param_bytes
         assert len(run["minibatch_loss"]) == 5
@@ -88,9 +90,11 @@ def test_tiny_run_writes_consistent_json(tmp_path, capsys):
         assert run["final_train_loss"] == run["history"][-1]["train_loss"]
         assert run["test_accuracy"] == run["history"][-1]["test_accuracy"]
         assert 0.0 <= run["test_accuracy"] <= 1.0
-        assert run["median_step_ms"] > 0 and run["compile_s"] > 0
-    # AdamW keeps two moments like the parameters plus an int32 step count.
-    assert runs["adamw"]["state_bytes"] == 2 * param_bytes + 4
+        assert run["median_step_ms"] > 0
+        assert run["compile_s"] > 0
+    # AdamW keeps two moments like the parameters, plus two int32 step counts:
+    # Adam's (bias correction) and the learning-rate schedule's.
+    assert runs["adamw"]["state_bytes"] == 2 * param_bytes + 2 * 4
     # Kron keeps momentum plus preconditioner factors: more than the momentum.
     assert runs["kron"]["state_bytes"] > param_bytes
 
@@ -99,6 +103,57 @@ def test_tiny_run_writes_consistent_json(tmp_path, capsys):
     adamw_row = next(line for line in lines if " adamw " in line)
     assert adamw_row.split()[-1] == "1.00"
     assert any(" kron " in line for line in lines)
+
+
+def test_progress_bar_goes_to_stderr(capsys):
+    argv = ["bench", "--steps", "3", "--batch-size", "16", "--optimizers", "adamw"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "digits-mlp adamw" in captured.err
+    assert "3/3" in captured.err
+    assert "3/3" not in captured.out
+    assert " adamw " in captured.out
+
+
+def _result(optimizer: str, loss: float, state_bytes: int, step_ms: float):
+    return RunResult(
+        workload="w",
+        optimizer=optimizer,
+        learning_rate=1e-3,
+        schedule="constant",
+        weight_decay=0.0,
+        steps=1,
+        batch_size=1,
+        seed=0,
+        final_train_loss=loss,
+        test_loss=loss,
+        test_accuracy=0.5,
+        median_step_ms=step_ms,
+        compile_s=1.0,
+        train_s=1.0,
+        param_bytes=100,
+        state_bytes=state_bytes,
+        history=[{"step": 1, "train_loss": loss}],
+    )
+
+
+def test_table_ratios_and_json_without_nan():
+    kron_run = _result("kron", float("nan"), state_bytes=300, step_ms=4.0)
+    adamw_run = _result("adamw", 0.25, state_bytes=200, step_ms=2.0)
+    table = format_table([kron_run, adamw_run], baseline="adamw").splitlines()
+    assert table[0].split()[:2] == ["workload", "optimizer"]
+    kron_cells = table[2].split()
+    assert kron_cells[3] == "nan"
+    assert kron_cells[-1] == "1.50"  # state bytes 300 / 200
+    assert kron_cells[6] == "2.00"  # step time 4 ms / 2 ms
+    # Without the baseline in the results, ratios are "-".
+    alone = format_table([kron_run], baseline="adamw").splitlines()[2].split()
+    assert alone[-1] == "-"
+    assert alone[6] == "-"
+
+    document = json_document([kron_run], config={}, environment={})
+    text = json.dumps(document, allow_nan=False)  # would raise on NaN
+    assert json.loads(text)["runs"][0]["final_train_loss"] is None
 
 
 def test_list_names_every_optimizer(capsys):
@@ -123,6 +178,7 @@ def test_help_documents_every_flag(capsys):
         "--workloads",
         "--lr",
         "--weight-decay",
+        "--schedule",
         "--json",
         "--no-progress",
         "--list",
@@ -147,6 +203,7 @@ def test_help_documents_every_flag(capsys):
         (["--lr", "adamw=1e-3", "--optimizers", "kron"], "not in --optimizers"),
         (["--lr", "kron=1e-3", "--lr", "kron=2e-3"], "more than once"),
         (["--weight-decay", "-1"], "--weight-decay"),
+        (["--schedule", "linear"], "invalid choice: 'linear'"),
         (["--workloads", "imagenet"], "unknown workload 'imagenet'"),
         (["--json", "/nonexistent/folder/out.json"], "does not exist"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),

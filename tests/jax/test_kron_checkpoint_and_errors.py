@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -56,7 +55,7 @@ TRAINING = textwrap.dedent(
 
 def test_resume_from_checkpoint_in_new_process_is_bit_identical(tmp_path):
     namespace: dict = {}
-    exec(TRAINING, namespace)  # noqa: S102 - the shared, fixed training script
+    exec(TRAINING, namespace)  # the fixed training script shared with the subprocess
     params = namespace["params"]
     state = namespace["optimizer"].init(params)
     for step in range(10):
@@ -109,7 +108,8 @@ def test_resume_from_checkpoint_in_new_process_is_bit_identical(tmp_path):
         ({"min_ndim_triangular": True}, "Invalid min_ndim_triangular=True"),
         (
             {"memory_save_mode": "some_diag"},
-            "Invalid memory_save_mode='some_diag': must be one of None, 'one_diag', 'all_diag'",
+            "Invalid memory_save_mode='some_diag': "
+            "must be one of None, 'one_diag', 'all_diag'",
         ),
         (
             {"preconditioner_lr": 0.0},

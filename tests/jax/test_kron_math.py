@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import jax
 from precond.jax import _kron_math as km
 from tests.reference import kron_reference as ref
 

@@ -21,6 +21,7 @@ from precond.bench.optimizers import (
     DEFAULT_WEIGHT_DECAY,
     OPTIMIZERS,
 )
+from precond.bench.runner import SCHEDULES
 from precond.bench.workloads import WORKLOADS
 
 USAGE_ERROR = 2
@@ -210,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     bench.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="cosine",
+        help=(
+            "learning-rate schedule of every optimizer: 'cosine' warms up linearly "
+            "over the first 5%% of steps to the optimizer's rate, then decays it to "
+            "0 at the last step; 'constant' keeps the rate (default: %(default)s)"
+        ),
+    )
+    bench.add_argument(
         "--json",
         metavar="PATH",
         help="also write the config, environment and every run's results as JSON",
@@ -301,7 +312,12 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     workloads = [get_workload(name) for name in args.workloads]
     _check_batch_size(workloads, args.batch_size)
-    config = RunConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+    config = RunConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        schedule=args.schedule,
+    )
     env = environment()
 
     results = []
@@ -316,9 +332,10 @@ def _run_bench(args: argparse.Namespace) -> int:
                 dynamic_ncols=True,
                 disable=args.no_progress,
             ) as bar:
+                label = f"{workload.name} {name}"
 
-                def on_compiled(seconds: float, bar=bar, name=name) -> None:
-                    bar.set_description(f"{workload.name} {name}", refresh=False)
+                def on_compiled(seconds: float, bar=bar, label=label) -> None:
+                    bar.set_description(label, refresh=False)
                     bar.reset()  # restart the clock: the rate counts steps only
 
                 def on_step(step: int, loss: float, bar=bar) -> None:
@@ -340,7 +357,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     print(
         f"precond bench: {config.steps} steps, batch {config.batch_size}, "
-        f"seed {config.seed}, weight decay {args.weight_decay:g}; "
+        f"seed {config.seed}, {config.schedule} schedule, "
+        f"weight decay {args.weight_decay:g}; "
         f"jax {env['jax']} on {env['backend']} ({env['device']})"
     )
     print(format_table(results, baseline=BASELINE))
@@ -352,6 +370,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                 "batch_size": config.batch_size,
                 "seed": config.seed,
                 "weight_decay": args.weight_decay,
+                "schedule": config.schedule,
                 "warmup_steps": config.warmup_steps,
                 "eval_every": config.eval_every,
                 "optimizers": list(args.optimizers),

@@ -1,8 +1,9 @@
 """Benchmark optimizers: name ↦ default learning rate and an optax factory.
 
-Every entry builds an ``optax.GradientTransformation`` from a learning rate and a
-decoupled weight decay, so the runner treats all optimizers alike. Factories import
-JAX, optax and precond.jax when called, never at import time.
+Every entry builds an ``optax.GradientTransformation`` from a learning rate (a
+number or an optax schedule of the step count) and a decoupled weight decay, so the
+runner treats all optimizers alike. Factories import JAX, optax and precond.jax when
+called, never at import time.
 """
 
 from __future__ import annotations
@@ -23,23 +24,23 @@ class OptimizerSpec:
     Attributes:
         name: registry key, used on the command line.
         description: one line for ``precond bench --list``.
-        default_lr: learning rate used unless overridden (``--lr name=value``).
-        make: (learning_rate, weight_decay) ↦ optax gradient transformation.
+        default_lr: peak learning rate used unless overridden (``--lr name=value``).
+        make: (learning_rate or schedule, weight_decay) ↦ optax transformation.
     """
 
     name: str
     description: str
     default_lr: float
-    make: Callable[[float, float], Any]
+    make: Callable[[Any, float], Any]
 
 
-def _make_kron(learning_rate: float, weight_decay: float):
+def _make_kron(learning_rate, weight_decay: float):
     from precond.jax import kron
 
     return kron(learning_rate=learning_rate, weight_decay=weight_decay)
 
 
-def _make_adamw(learning_rate: float, weight_decay: float):
+def _make_adamw(learning_rate, weight_decay: float):
     import optax
 
     return optax.adamw(learning_rate=learning_rate, weight_decay=weight_decay)

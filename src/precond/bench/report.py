@@ -57,7 +57,7 @@ def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
                 r.workload,
                 r.optimizer,
                 f"{r.learning_rate:g}",
-                _number(r.final_train_loss, ".4f"),
+                _number(r.final_train_loss, ".3g"),
                 _number(100 * r.test_accuracy, ".2f") + "%",
                 f"{r.median_step_ms:.3f}",
                 _ratio(r.median_step_ms, b.median_step_ms if b else None),

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from precond._common.validation import check_choice, check_int
 from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY, OptimizerSpec
 from precond.bench.workloads import Workload, batch_indices
 
@@ -20,6 +21,10 @@ from precond.bench.workloads import Workload, batch_indices
 WARMUP_STEPS = 10
 # Full train/test evaluation every this many steps (and always after the last step).
 EVAL_EVERY = 50
+# Learning-rate schedules: the peak rate held ("constant"), or a linear warm-up over
+# the first 5% of steps followed by a cosine decay to zero at the last step ("cosine").
+SCHEDULES = ("cosine", "constant")
+WARMUP_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -28,23 +33,21 @@ class RunConfig:
 
     ``seed`` sets the parameter init, the minibatch order and the optimizer's own
     randomness; the train/test split is the workload's fixed ``split_seed``.
+    ``schedule`` is one of :data:`SCHEDULES`, applied to every optimizer's rate.
     """
 
     steps: int = 500
     batch_size: int = 128
     seed: int = 0
+    schedule: str = "cosine"
     eval_every: int = EVAL_EVERY
     warmup_steps: int = WARMUP_STEPS
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"Invalid warmup_steps={self.warmup_steps!r}: must be an integer >= 0"
-            )
+            check_int(name, getattr(self, name), low=1)
+        check_int("warmup_steps", self.warmup_steps, low=0)
+        check_choice("schedule", self.schedule, SCHEDULES)
 
 
 @dataclass
@@ -54,12 +57,14 @@ class RunResult:
     ``history`` holds one entry per evaluation, ``{"step", "train_loss",
     "test_loss", "test_accuracy"}`` on the full train and test sets; the last entry
     is after the final step, and ``final_train_loss`` / ``test_accuracy`` are its
-    values. ``minibatch_loss[i]`` is the loss of the batch of step i + 1.
+    values. ``minibatch_loss[i]`` is the loss of the batch of step i + 1 and
+    ``step_ms[i]`` its wall time (warm-up steps included).
     """
 
     workload: str
     optimizer: str
-    learning_rate: float
+    learning_rate: float  # the peak rate of the schedule
+    schedule: str
     weight_decay: float
     steps: int
     batch_size: int
@@ -74,6 +79,7 @@ class RunResult:
     state_bytes: int
     history: list[dict[str, float]] = field(default_factory=list)
     minibatch_loss: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +90,28 @@ def tree_nbytes(tree: Any) -> int:
     import jax
 
     return int(sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(tree)))
+
+
+def learning_rate_schedule(peak: float, steps: int, schedule: str):
+    """The rate of every step: ``peak`` itself, or an optax warm-up + cosine schedule.
+
+    "cosine": linear from 0 to ``peak`` over ``WARMUP_FRACTION·steps`` steps (none
+    when that rounds to 0), then cosine decay to 0 at ``steps``.
+    """
+    if schedule == "constant":
+        return peak
+    import optax
+
+    warmup = int(WARMUP_FRACTION * steps)
+    if warmup == 0:
+        return optax.cosine_decay_schedule(peak, decay_steps=steps, alpha=0.0)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=peak,
+        warmup_steps=warmup,
+        decay_steps=steps,
+        end_value=0.0,
+    )
 
 
 def make_train_step(workload: Workload, optimizer) -> Callable:
@@ -136,8 +164,8 @@ def run(
     Args:
         workload: what to train.
         spec: the optimizer; ``learning_rate`` defaults to ``spec.default_lr``.
-        config: steps, batch size, seed.
-        learning_rate: overrides the optimizer's default learning rate.
+        config: steps, batch size, seed and learning-rate schedule.
+        learning_rate: overrides the optimizer's default (peak) learning rate.
         weight_decay: decoupled weight decay λ given to the optimizer.
         on_compiled: called once with the compile time (s) before the first step.
         on_step: called after every step with (step, minibatch loss), step 1-based.
@@ -158,7 +186,9 @@ def run(
         (split.x_train, split.y_train, split.x_test, split.y_test)
     )
 
-    optimizer = spec.make(lr, weight_decay)
+    optimizer = spec.make(
+        learning_rate_schedule(lr, config.steps, config.schedule), weight_decay
+    )
     params = workload.init_params(config.seed)
     opt_state = optimizer.init(params)
 
@@ -204,7 +234,8 @@ def run(
     return RunResult(
         workload=workload.name,
         optimizer=spec.name,
-        learning_rate=float(lr) if not callable(lr) else -1.0,
+        learning_rate=float(lr),
+        schedule=config.schedule,
         weight_decay=float(weight_decay),
         steps=config.steps,
         batch_size=config.batch_size,
@@ -219,11 +250,13 @@ def run(
         state_bytes=tree_nbytes(opt_state),
         history=history,
         minibatch_loss=minibatch_loss,
+        step_ms=[1e3 * seconds for seconds in step_seconds],
     )
 
 
 def environment() -> dict[str, Any]:
     """Versions and device of this process, recorded beside the results."""
+    import os
     import platform
 
     import jax
@@ -240,6 +273,7 @@ def environment() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "device": getattr(device, "device_kind", str(device)),
         "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
     }

@@ -94,7 +94,7 @@ def load_digits_split(split_seed: int) -> Split:
     x = np.asarray(data.data, dtype=np.float64)
     y = np.asarray(data.target, dtype=np.int32)
     order = np.random.default_rng(split_seed).permutation(len(x))
-    n_test = int(round(DIGITS_TEST_FRACTION * len(x)))
+    n_test = round(DIGITS_TEST_FRACTION * len(x))
     test, train = order[:n_test], order[n_test:]
     mean = x[train].mean(axis=0)
     std = x[train].std(axis=0)

@@ -35,7 +35,7 @@ def is_diagonal(factor: jax.Array) -> bool:
 
 
 def mode_product(X: jax.Array, M: jax.Array, axis: int) -> jax.Array:
-    """X ×_axis M: ``M @ X`` along ``axis`` (M a (d', d) matrix) or ``M ⊙ X`` (M a vector)."""
+    """X ×_axis M: ``M @ X`` along ``axis`` (M a (d', d) matrix), or ``M ⊙ X``."""
     if M.ndim == 1:
         shape = [1] * X.ndim
         shape[axis] = M.shape[0]
@@ -92,7 +92,10 @@ def norm_lower_bound(S: jax.Array) -> jax.Array:
 
 
 def add_damping_noise(G: jax.Array, V: jax.Array) -> jax.Array:
-    """G̃ = G + sqrt(ε_f32)·mean|G|·V: keeps the fit well posed when G is tiny or rank deficient."""
+    """G̃ = G + sqrt(ε_f32)·mean|G|·V.
+
+    The noise keeps the fit well posed when G is tiny or rank deficient.
+    """
     return G + DAMPING_SCALE * jnp.mean(jnp.abs(G)) * V
 
 
@@ -165,7 +168,7 @@ def precondition_with_grams(Ps: Sequence[jax.Array], G: jax.Array) -> jax.Array:
 
 
 def pack_factor(Q: jax.Array) -> jax.Array:
-    """Packs an upper-triangular Q and P = QᵀQ into one (d + 1, d) array (module doc)."""
+    """Packs upper-triangular Q and P = QᵀQ into one (d + 1, d) array (module doc)."""
     P = Q.T @ Q
     body = jnp.triu(Q) + jnp.tril(P, -1)
     return jnp.concatenate([body, jnp.diagonal(P)[None, :]], axis=0)

@@ -46,7 +46,7 @@ MAX_UPDATE_RMS = 1.1
 
 
 class KronState(NamedTuple):
-    """State of :func:`scale_by_kron`: arrays only, so any pytree checkpointer saves it."""
+    """State of :func:`scale_by_kron`: arrays only, so any checkpointer saves it."""
 
     count: jax.Array  # shape=(), dtype=int32: steps taken (skipped steps not counted)
     mu: optax.Updates | None  # like params, dtype=mu_dtype; None when b1 == 0
@@ -163,8 +163,9 @@ def _saturating_increment(count: jax.Array) -> jax.Array:
 
 def scale_by_kron(
     b1: float = 0.9,
+    # A pure function, as in distributed-kron's signature: safe as a default.
     preconditioner_update_probability: float | Callable = (
-        precond_update_prob_schedule()
+        precond_update_prob_schedule()  # noqa: B008
     ),
     max_size_triangular: int = 8192,
     min_ndim_triangular: int = 2,
@@ -308,7 +309,10 @@ def scale_by_kron(
                 Qs = unpacked(factors)
                 if len(Qs) > 1:
                     balanced = km.balance_factors(Qs)
-                    Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs)]
+                    Qs = [
+                        jnp.where(balance, b, Q)
+                        for b, Q in zip(balanced, Qs, strict=True)
+                    ]
                 Qs = km.update_factors(
                     Qs, km.add_damping_noise(G, V), V, preconditioner_lr
                 )
@@ -399,8 +403,9 @@ def kron(
     b1: float = 0.9,
     weight_decay: float = 0.0,
     weight_decay_mask: Any | Callable | None = None,
+    # A pure function, as in distributed-kron's signature: safe as a default.
     preconditioner_update_probability: float | Callable = (
-        precond_update_prob_schedule()
+        precond_update_prob_schedule()  # noqa: B008
     ),
     max_size_triangular: int = 8192,
     min_ndim_triangular: int = 2,
