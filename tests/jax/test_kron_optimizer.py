@@ -215,17 +215,19 @@ def test_dtypes_of_updates_and_state_are_stable(param_dtype, mu_dtype, precond_d
     "shape", [(), (7,), (6, 5), (4, 3, 2), (3, 2, 2, 2), (2, 2, 3, 1, 2)]
 )
 def test_every_rank_gets_whitened_updates(shape):
-    """After many steps on N(0, σ²) gradients the update RMS is ~1 (P ≈ σ⁻¹·I)."""
+    """On N(0, σ²) gradients the fitted P ≈ σ⁻¹·I, so updates have RMS ≈ 1."""
     params = {"p": jnp.zeros(shape)}
     optimizer = pj.scale_by_kron(b1=0.0, preconditioner_update_probability=1.0)
     state = optimizer.init(params)
     update = jax.jit(optimizer.update)
-    for step in range(300):
+    squares = []
+    for step in range(400):
         grads = {"p": 5.0 * jax.random.normal(jax.random.PRNGKey(step), shape)}
         updates, state = update(grads, state)
+        if step >= 300:  # mean over 100 steps: one draw of a scalar is too noisy
+            squares.append(float(jnp.mean(updates["p"] ** 2)))
     assert updates["p"].shape == shape
-    rms = float(jnp.sqrt(jnp.mean(updates["p"] ** 2)))
-    assert 0.3 < rms <= 1.1 + 1e-6
+    assert 0.5 < np.sqrt(np.mean(squares)) <= 1.1 + 1e-6
 
 
 def test_none_leaves_and_empty_trees():
