@@ -121,6 +121,10 @@ def test_resume_from_checkpoint_in_new_process_is_bit_identical(tmp_path):
         ({"precond_update_precision": "fp8"}, "Invalid precond_update_precision='fp8'"),
         ({"precond_grads_precision": 3}, "Invalid precond_grads_precision=3"),
         ({"seed": 1.5}, "Invalid seed=1.5"),
+        (
+            {"preconditioner_cache": True},
+            "Invalid preconditioner_cache=True: must be one of 'packed', 'dense', None",
+        ),
     ],
 )
 def test_invalid_arguments_raise_at_construction(kwargs, message):

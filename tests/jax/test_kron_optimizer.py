@@ -268,19 +268,31 @@ def test_schedule_values():
     np.testing.assert_allclose(custom(10_000), 0.05)
 
 
-def test_cached_and_uncached_preconditioners_agree():
+def test_preconditioner_cache_layouts_agree():
     with jax.enable_x64(True):
         params = {
             "w": jnp.ones((6, 5), jnp.float64),
             "t": jnp.ones((3, 4, 2), jnp.float64),
         }
         kwargs = dict(preconditioner_update_probability=0.5, precond_dtype=jnp.float64)
-        cached, _ = _run_steps(pj.kron(**kwargs), params, 6)
-        uncached, _ = _run_steps(
-            pj.kron(cache_preconditioner=False, **kwargs), params, 6
-        )
-    for a, b in zip(cached, uncached):
-        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-10), a, b)
+        runs = {
+            cache: _run_steps(pj.kron(preconditioner_cache=cache, **kwargs), params, 6)
+            for cache in ("packed", "dense", None)
+        }
+    for cache in ("dense", None):
+        for a, b in zip(runs["packed"][0], runs[cache][0]):
+            jax.tree.map(
+                lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-10), a, b
+            )
+    shapes = {
+        cache: [x.shape for x in jax.tree.leaves(state[0].preconditioners)]
+        for cache, (_, state) in runs.items()
+    }
+    assert shapes == {
+        "packed": [(4, 3), (5, 4), (3, 2), (7, 6), (6, 5)],
+        "dense": [(2, 3, 3), (2, 4, 4), (2, 2, 2), (2, 6, 6), (2, 5, 5)],
+        None: [(3, 3), (4, 4), (2, 2), (6, 6), (5, 5)],
+    }
 
 
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])

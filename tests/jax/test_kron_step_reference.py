@@ -79,13 +79,13 @@ def _reference_run(grads_per_step, seed, b1, probability, momentum_into_fit):
     return outputs
 
 
-@pytest.mark.parametrize("cache_preconditioner", [True, False])
+@pytest.mark.parametrize("preconditioner_cache", ["packed", "dense", None])
 @pytest.mark.parametrize(
     ("b1", "probability", "momentum_into_fit"),
     [(0.9, 1.0, True), (0.5, 0.4, True), (0.9, 1.0, False)],
 )
 def test_steps_match_reference(
-    cache_preconditioner, b1, probability, momentum_into_fit
+    preconditioner_cache, b1, probability, momentum_into_fit
 ):
     seed = _seed_that_balances_at_step(2)
     rng = np.random.default_rng(0)
@@ -99,7 +99,7 @@ def test_steps_match_reference(
         preconditioner_update_probability=probability,
         momentum_into_precond_update=momentum_into_fit,
         precond_dtype=jnp.float64,
-        cache_preconditioner=cache_preconditioner,
+        preconditioner_cache=preconditioner_cache,
         seed=seed,
     )
     params = {k: jnp.zeros(s, jnp.float64) for k, s in SHAPES.items()}

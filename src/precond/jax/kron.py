@@ -36,6 +36,8 @@ MATMUL_PRECISIONS = (
     "tensorfloat32",
     "float32",
 )
+# Layouts of the cached P_i = Q_iᵀQ_i (see scale_by_kron's preconditioner_cache).
+PRECONDITIONER_CACHES = ("packed", "dense", None)
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
 # them as ``static_args`` to ``optax.inject_hyperparams``.
 KRON_STATIC_ARGS = ("max_size_triangular", "min_ndim_triangular", "seed")
@@ -51,7 +53,8 @@ class KronState(NamedTuple):
     count: jax.Array  # shape=(), dtype=int32: steps taken (skipped steps not counted)
     mu: optax.Updates | None  # like params, dtype=mu_dtype; None when b1 == 0
     preconditioners: Any  # like params; each leaf a tuple of factors, one per axis:
-    # (d,) diagonal, (d, d) triangular Q, or (d + 1, d) packed Q with QᵀQ cached
+    # (d,) diagonal; triangular by preconditioner_cache: None (d, d) Q,
+    # 'packed' (d + 1, d) Q with QᵀQ in its lower triangle, 'dense' (2, d, d) [Q, QᵀQ]
     update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
 
 
@@ -121,6 +124,7 @@ def _validate(
     precond_dtype,
     precond_update_precision,
     precond_grads_precision,
+    preconditioner_cache,
     seed,
 ) -> None:
     check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
@@ -148,6 +152,7 @@ def _validate(
         "precond_update_precision", precond_update_precision, MATMUL_PRECISIONS
     )
     check_choice("precond_grads_precision", precond_grads_precision, MATMUL_PRECISIONS)
+    check_choice("preconditioner_cache", preconditioner_cache, PRECONDITIONER_CACHES)
     check_int("seed", seed)
 
 
@@ -178,7 +183,7 @@ def scale_by_kron(
     precond_update_precision: str | None = "tensorfloat32",
     precond_grads_precision: str | None = None,
     *,
-    cache_preconditioner: bool = True,
+    preconditioner_cache: str | None = "packed",
     seed: int = 42,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD Kron preconditioner (generation-1 update rule).
@@ -219,9 +224,12 @@ def scale_by_kron(
         precond_dtype: factor dtype (default float32).
         precond_update_precision: matmul precision of factor updates.
         precond_grads_precision: matmul precision of applying the preconditioner.
-        cache_preconditioner: keep P_i = Q_iᵀQ_i packed beside each triangular Q_i
-            (d more floats per factor) so steps without an update apply P in half
-            the matmuls. False stores Q alone, as distributed-kron does.
+        preconditioner_cache: how each triangular factor keeps P_i = Q_iᵀQ_i for
+            the steps between factor updates. ``'packed'`` (default) stores it in
+            Q_i's unused lower triangle plus one row (d more numbers per d×d
+            factor); ``'dense'`` stores it as its own d×d matrix (twice the factor
+            memory, no unpacking: the fastest steps); None stores Q_i alone, as
+            distributed-kron does, and applies Q_iᵀ(Q_i·) (twice the matmuls).
         seed: seed of the noise and balancing decisions, which are drawn from
             ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly.
 
@@ -241,6 +249,7 @@ def scale_by_kron(
         precond_dtype=precond_dtype,
         precond_update_precision=precond_update_precision,
         precond_grads_precision=precond_grads_precision,
+        preconditioner_cache=preconditioner_cache,
         seed=seed,
     )
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
@@ -264,9 +273,8 @@ def scale_by_kron(
         for size, diagonal in zip(shape, diagonal_axes(shape), strict=True):
             if diagonal:
                 factors.append(scale * jnp.ones((size,), precond_dtype))
-                continue
-            Q = scale * jnp.eye(size, dtype=precond_dtype)
-            factors.append(km.pack_factor(Q) if cache_preconditioner else Q)
+            else:
+                factors.append(stored(scale * jnp.eye(size, dtype=precond_dtype)))
         return tuple(factors)
 
     def init_fn(params: optax.Params) -> KronState:
@@ -282,21 +290,30 @@ def scale_by_kron(
             update_counter=jnp.zeros([], jnp.int32),
         )
 
-    def unpacked(factors):
-        if not cache_preconditioner:
-            return list(factors)
-        return [F if F.ndim == 1 else km.unpack_factor(F) for F in factors]
+    def stored(Q: jax.Array) -> jax.Array:
+        """The state array of a triangular factor, in the chosen cache layout."""
+        if preconditioner_cache == "packed":
+            return km.pack_factor(Q)
+        if preconditioner_cache == "dense":
+            return jnp.stack([Q, km.factor_gram(Q)])
+        return Q
 
-    def repacked(Qs):
-        if not cache_preconditioner:
-            return tuple(Qs)
-        return tuple(Q if Q.ndim == 1 else km.pack_factor(Q) for Q in Qs)
+    def factor_of(F: jax.Array) -> jax.Array:
+        """Q_i (or the diagonal q_i) from a factor's state array."""
+        if F.ndim == 1 or preconditioner_cache is None:
+            return F
+        return km.unpack_factor(F) if preconditioner_cache == "packed" else F[0]
+
+    def gram_of(F: jax.Array) -> jax.Array:
+        """P_i = Q_iᵀQ_i from a cached factor's state array."""
+        if F.ndim == 1:
+            return F * F
+        return km.unpack_gram(F) if preconditioner_cache == "packed" else F[1]
 
     def apply_preconditioner(factors, G):
-        if cache_preconditioner:
-            grams = [F * F if F.ndim == 1 else km.unpack_gram(F) for F in factors]
-            return km.precondition_with_grams(grams, G)
-        return km.precondition(factors, G)
+        if preconditioner_cache is None:
+            return km.precondition(factors, G)
+        return km.precondition_with_grams([gram_of(F) for F in factors], G)
 
     def fit_factors(all_factors, fit_targets, key):
         """One factor update for every tensor (the 'update' branch of step 2)."""
@@ -306,7 +323,7 @@ def scale_by_kron(
         new_factors = []
         for factors, G, V in zip(all_factors, fit_targets, noises, strict=True):
             with jax.named_scope("precond/kron/update_factors"):
-                Qs = unpacked(factors)
+                Qs = [factor_of(F) for F in factors]
                 if len(Qs) > 1:
                     balanced = km.balance_factors(Qs)
                     Qs = [
@@ -316,8 +333,12 @@ def scale_by_kron(
                 Qs = km.update_factors(
                     Qs, km.add_damping_noise(G, V), V, preconditioner_lr
                 )
-                Qs = [Q.astype(precond_dtype) for Q in Qs]
-                new_factors.append(repacked(Qs))
+                new_factors.append(
+                    tuple(
+                        Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q)
+                        for Q in Qs
+                    )
+                )
         return new_factors
 
     def step(updates, state: KronState) -> tuple[optax.Updates, KronState]:
@@ -418,7 +439,7 @@ def kron(
     precond_update_precision: str | None = "tensorfloat32",
     precond_grads_precision: str | None = None,
     *,
-    cache_preconditioner: bool = True,
+    preconditioner_cache: str | None = "packed",
     seed: int = 42,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD Kron: ``chain(scale_by_kron, add_decayed_weights, scale_by_learning_rate)``.
@@ -455,7 +476,7 @@ def kron(
             precond_dtype=precond_dtype,
             precond_update_precision=precond_update_precision,
             precond_grads_precision=precond_grads_precision,
-            cache_preconditioner=cache_preconditioner,
+            preconditioner_cache=preconditioner_cache,
             seed=seed,
         )
     ]
