@@ -1,13 +1,19 @@
-"""plan_diagonal_axes: which axes get a diagonal factor (algorithms.md Part 1 §1.1)."""
+"""Factor planning: diagonal vs triangular axes (algorithms.md Part 1 §1.1), merging."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precond._common.factor_plan import MEMORY_SAVE_MODES, plan_diagonal_axes
+from precond._common.factor_plan import (
+    MEMORY_SAVE_MODES,
+    merge_dims,
+    plan_diagonal_axes,
+)
 
 
 def plan(shape, *, max_size=8192, min_ndim=2, mode=None):
@@ -100,3 +106,40 @@ def test_matches_the_rules_on_random_shapes(shape, max_size, min_ndim, mode):
     got = plan(shape, max_size=max_size, min_ndim=min_ndim, mode=mode)
     assert got == tuple(expected)
     assert all(type(x) is bool for x in got)
+
+
+@pytest.mark.parametrize(
+    ("shape", "target", "merged"),
+    [
+        ((64, 32, 3, 3), 2048, (64, 288)),  # not (18432,), (6144, 3) or (2048, 9)
+        ((3, 3, 64, 64), 2048, (576, 64)),  # HWIO conv kernel
+        ((64, 256), 2048, (64, 256)),
+        ((512, 2048), 2048, (512, 2048)),
+        ((4096, 4096), 2048, (4096, 4096)),  # too big alone: untouched
+        ((2, 3, 4, 5, 6), 2048, (24, 30)),  # never flattened to one dim
+        ((10, 10, 10, 10), 2048, (100, 100)),
+        ((8, 1, 1, 1024), 2048, (8, 1024)),
+        ((1, 512), 2048, (1, 512)),
+        ((7,), 2048, (7,)),
+        ((), 2048, ()),
+    ],
+)
+def test_merge_dims_examples(shape, target, merged):
+    groups = merge_dims(shape, target)
+    assert tuple(math.prod(shape[a] for a in g) for g in groups) == merged
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 70), min_size=0, max_size=6).map(tuple),
+    target=st.integers(1, 5000),
+)
+def test_merge_dims_properties(shape, target):
+    groups = merge_dims(shape, target)
+    # The groups cut the axes into contiguous runs, in order.
+    assert [a for g in groups for a in g] == list(range(len(shape)))
+    assert all(list(g) == list(range(g[0], g[-1] + 1)) for g in groups)
+    # A tensor stays a tensor; no merge creates a dim above the target.
+    assert len(groups) >= min(2, len(shape))
+    for g in groups:
+        assert len(g) == 1 or math.prod(shape[a] for a in g) <= target

@@ -49,3 +49,62 @@ def plan_diagonal_axes(
         last_largest = max(i for i, d in enumerate(shape) if d == largest)
         diagonal[last_largest] = True
     return tuple(diagonal)
+
+
+def merge_dims(
+    shape: Sequence[int], target_merged_dim_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """Groups adjacent axes of ``shape`` so the merged dims precondition well.
+
+    Among all ways to cut ``shape`` into runs of adjacent axes, picks the one that
+
+    1. keeps at least two merged dims when ``shape`` has two or more (flattening a
+       tensor to a vector would give one dense factor of numel² numbers),
+    2. keeps every merged dim <= ``target_merged_dim_size`` (an axis already larger
+       stays alone),
+    3. then has the fewest merged dims (fewer, larger Kronecker factors model more
+       of the curvature),
+    4. then is the most balanced: the largest smallest merged dim, then the smallest
+       Σ dᵢ² (factor memory).
+
+    So (64, 32, 3, 3) with target 2048 becomes (64, 288), not (18432,) nor
+    (6144, 3) (factors of 38M numbers for 18k parameters) nor (2048, 9) (a 9×9
+    factor adds little); (3, 3, 64, 64) becomes (576, 64) and (2, 3, 4, 5, 6)
+    becomes (24, 30).
+
+    Returns:
+        The axis groups, e.g. ((0,), (1, 2, 3)); merged dim i is the product of
+        ``shape`` over group i. A scalar gives ().
+
+    Example:
+        >>> merge_dims((64, 32, 3, 3), 2048)
+        ((0,), (1, 2, 3))
+    """
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        return ()
+    best_key, best_groups = None, None
+    for cuts in range(2 ** (len(shape) - 1)):  # bit i set: cut after axis i
+        groups, start = [], 0
+        for axis in range(len(shape)):
+            if axis == len(shape) - 1 or cuts >> axis & 1:
+                groups.append(tuple(range(start, axis + 1)))
+                start = axis + 1
+        if len(groups) < min(2, len(shape)):
+            continue
+        dims = [_product(shape[a] for a in group) for group in groups]
+        oversized = sum(
+            d > target_merged_dim_size and len(g) > 1
+            for d, g in zip(dims, groups, strict=True)
+        )
+        key = (oversized, len(dims), -min(dims), sum(d * d for d in dims))
+        if best_key is None or key < best_key:
+            best_key, best_groups = key, tuple(groups)
+    return best_groups
+
+
+def _product(values) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result

@@ -9,6 +9,8 @@ triangular or diagonal factor Q_i per axis, fitted online so that P·m̂ is whit
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,7 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from precond._common.factor_plan import MEMORY_SAVE_MODES, plan_diagonal_axes
+from precond._common.factor_plan import (
+    MEMORY_SAVE_MODES,
+    merge_dims,
+    plan_diagonal_axes,
+)
 from precond._common.validation import (
     check_choice,
     check_int,
@@ -40,7 +46,13 @@ MATMUL_PRECISIONS = (
 PRECONDITIONER_CACHES = ("packed", "dense", None)
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
 # them as ``static_args`` to ``optax.inject_hyperparams``.
-KRON_STATIC_ARGS = ("max_size_triangular", "min_ndim_triangular", "seed")
+KRON_STATIC_ARGS = (
+    "max_size_triangular",
+    "min_ndim_triangular",
+    "lax_map_batch_size",
+    "target_merged_dim_size",
+    "seed",
+)
 # Probability of balancing the factors' norms on a preconditioner update.
 BALANCE_PROBABILITY = 0.01
 # Updates are scaled down so their per-tensor RMS is at most this.
@@ -56,6 +68,14 @@ class KronState(NamedTuple):
     # (d,) diagonal; triangular by preconditioner_cache: None (d, d) Q,
     # 'packed' (d + 1, d) Q with QᵀQ in its lower triangle, 'dense' (2, d, d) [Q, QᵀQ]
     update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
+
+
+class TensorPlan(NamedTuple):
+    """How one parameter is preconditioned; derived from its shape at trace time."""
+
+    scanned: bool  # the leading axis stacks layers: factors per layer (vmapped)
+    shape: tuple[int, ...]  # shape of one layer after merging: one factor per axis
+    diagonal: tuple[bool, ...]  # per axis of ``shape``: diagonal (True) or triangular
 
 
 def precond_update_prob_schedule(
@@ -124,6 +144,8 @@ def _validate(
     precond_dtype,
     precond_update_precision,
     precond_grads_precision,
+    lax_map_batch_size,
+    target_merged_dim_size,
     preconditioner_cache,
     seed,
 ) -> None:
@@ -152,6 +174,8 @@ def _validate(
         "precond_update_precision", precond_update_precision, MATMUL_PRECISIONS
     )
     check_choice("precond_grads_precision", precond_grads_precision, MATMUL_PRECISIONS)
+    check_int("lax_map_batch_size", lax_map_batch_size, low=1)
+    check_int("target_merged_dim_size", target_merged_dim_size, low=1)
     check_choice("preconditioner_cache", preconditioner_cache, PRECONDITIONER_CACHES)
     check_int("seed", seed)
 
@@ -182,6 +206,11 @@ def scale_by_kron(
     precond_dtype: Any | None = None,
     precond_update_precision: str | None = "tensorfloat32",
     precond_grads_precision: str | None = None,
+    scanned_layers: Any | Callable | None = None,
+    lax_map_scanned_layers: bool = False,
+    lax_map_batch_size: int = 8,
+    merge_small_dims: bool = False,
+    target_merged_dim_size: int = 2048,
     *,
     preconditioner_cache: str | None = "packed",
     seed: int = 42,
@@ -224,6 +253,17 @@ def scale_by_kron(
         precond_dtype: factor dtype (default float32).
         precond_update_precision: matmul precision of factor updates.
         precond_grads_precision: matmul precision of applying the preconditioner.
+        scanned_layers: pytree of bools with the structure of the params (or a
+            callable params ↦ such a pytree) marking parameters whose leading axis
+            stacks layers: each layer gets its own factors, fitted under ``vmap``.
+        lax_map_scanned_layers: map over the layers with ``jax.lax.map`` in batches
+            of ``lax_map_batch_size`` instead of one ``vmap``: less memory, slower.
+        lax_map_batch_size: layers per batch with ``lax_map_scanned_layers``.
+        merge_small_dims: precondition each tensor in a merged shape that groups
+            adjacent axes into balanced dims of at most ``target_merged_dim_size``
+            (see :func:`precond._common.factor_plan.merge_dims`): a (64, 32, 3, 3)
+            kernel gets factors of 64 and 288.
+        target_merged_dim_size: largest dim that merging may create.
         preconditioner_cache: how each triangular factor keeps P_i = Q_iᵀQ_i for
             the steps between factor updates. ``'packed'`` (default) stores it in
             Q_i's unused lower triangle plus one row (d more numbers per d×d
@@ -249,6 +289,8 @@ def scale_by_kron(
         precond_dtype=precond_dtype,
         precond_update_precision=precond_update_precision,
         precond_grads_precision=precond_grads_precision,
+        lax_map_batch_size=lax_map_batch_size,
+        target_merged_dim_size=target_merged_dim_size,
         preconditioner_cache=preconditioner_cache,
         seed=seed,
     )
@@ -256,28 +298,81 @@ def scale_by_kron(
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
 
-    def diagonal_axes(shape) -> tuple[bool, ...]:
-        return plan_diagonal_axes(
-            shape,
+    def plan_tensor(shape: tuple[int, ...], scanned: bool, path: str) -> TensorPlan:
+        if scanned and not shape:
+            raise ValueError(
+                f"Invalid scanned_layers: parameter {path} is 0-d, so it has no "
+                "leading layer axis to scan over"
+            )
+        layer_shape = (shape[1:] if scanned else shape) or (1,)
+        diagonal = plan_diagonal_axes(
+            layer_shape,
             max_size_triangular=max_size_triangular,
             min_ndim_triangular=min_ndim_triangular,
             memory_save_mode=memory_save_mode,
         )
+        if not merge_small_dims:
+            return TensorPlan(scanned, layer_shape, diagonal)
+        # A merged axis is diagonal iff all its source axes are, or if it is too big.
+        groups = merge_dims(layer_shape, target_merged_dim_size)
+        merged = tuple(math.prod(layer_shape[a] for a in g) for g in groups)
+        merged_diagonal = tuple(
+            all(diagonal[a] for a in g) or size > max_size_triangular
+            for g, size in zip(groups, merged, strict=True)
+        )
+        return TensorPlan(scanned, merged, merged_diagonal)
 
-    def init_factors(param: jax.Array) -> tuple[jax.Array, ...]:
-        shape = param.shape or (1,)
+    def plan_tree(params) -> tuple[list[TensorPlan], Any]:
+        """The plan of every leaf, and the treedef of ``params``."""
+        leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        flags = scanned_layers(params) if callable(scanned_layers) else scanned_layers
+        if flags is None:
+            flags = [False] * len(leaves_with_paths)
+        else:
+            try:
+                flags = treedef.flatten_up_to(flags)
+            except (ValueError, TypeError) as error:
+                raise ValueError(
+                    "Invalid scanned_layers: must have the structure of the params "
+                    f"({treedef}), with a bool per parameter; got "
+                    f"{jax.tree.structure(flags)}"
+                ) from error
+        plans = [
+            plan_tensor(x.shape, bool(flag), jax.tree_util.keystr(path))
+            for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
+        ]
+        return plans, treedef
+
+    def tensor_view(plan: TensorPlan, x: jax.Array) -> jax.Array:
+        """``x`` reshaped to (layers, *plan.shape) or plan.shape, in factor dtype."""
+        layers = x.shape[:1] if plan.scanned else ()
+        return x.reshape(layers + plan.shape).astype(precond_dtype)
+
+    def init_factors(plan: TensorPlan, param: jax.Array) -> tuple[jax.Array, ...]:
         scale = jnp.asarray(preconditioner_init_scale, precond_dtype) ** (
-            1.0 / len(shape)
+            1.0 / len(plan.shape)
         )
         factors = []
-        for size, diagonal in zip(shape, diagonal_axes(shape), strict=True):
+        for size, diagonal in zip(plan.shape, plan.diagonal, strict=True):
             if diagonal:
-                factors.append(scale * jnp.ones((size,), precond_dtype))
+                factor = scale * jnp.ones((size,), precond_dtype)
             else:
-                factors.append(stored(scale * jnp.eye(size, dtype=precond_dtype)))
+                factor = stored(scale * jnp.eye(size, dtype=precond_dtype))
+            if plan.scanned:
+                factor = jnp.broadcast_to(factor, param.shape[:1] + factor.shape)
+            factors.append(factor)
         return tuple(factors)
 
+    def over_layers(plan: TensorPlan, fn: Callable, *args):
+        """``fn(*args)`` for one tensor, or mapped over the layers of a scanned one."""
+        if not plan.scanned:
+            return fn(*args)
+        if lax_map_scanned_layers:
+            return jax.lax.map(lambda xs: fn(*xs), args, batch_size=lax_map_batch_size)
+        return jax.vmap(fn)(*args)
+
     def init_fn(params: optax.Params) -> KronState:
+        plans, treedef = plan_tree(params)
         mu = None
         if keep_momentum:
             mu = jax.tree.map(
@@ -286,7 +381,12 @@ def scale_by_kron(
         return KronState(
             count=jnp.zeros([], jnp.int32),
             mu=mu,
-            preconditioners=jax.tree.map(init_factors, params),
+            preconditioners=treedef.unflatten(
+                [
+                    init_factors(plan, x)
+                    for plan, x in zip(plans, jax.tree.leaves(params), strict=True)
+                ]
+            ),
             update_counter=jnp.zeros([], jnp.int32),
         )
 
@@ -310,35 +410,36 @@ def scale_by_kron(
             return F * F
         return km.unpack_gram(F) if preconditioner_cache == "packed" else F[1]
 
-    def apply_preconditioner(factors, G):
+    def precondition_tensor(factors, G):
+        """U = P·G for one tensor, scaled so RMS(U) <= 1.1."""
         if preconditioner_cache is None:
-            return km.precondition(factors, G)
-        return km.precondition_with_grams([gram_of(F) for F in factors], G)
+            U = km.precondition(factors, G)
+        else:
+            U = km.precondition_with_grams([gram_of(F) for F in factors], G)
+        rms = jnp.sqrt(jnp.mean(jnp.square(U)))
+        return U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS)
 
-    def fit_factors(all_factors, fit_targets, key):
+    def fit_tensor(factors, G, V, balance):
+        """One factor update of one tensor from the pair (G + damping noise, V)."""
+        Qs = [factor_of(F) for F in factors]
+        if len(Qs) > 1:
+            balanced = km.balance_factors(Qs)
+            Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs, strict=True)]
+        Qs = km.update_factors(Qs, km.add_damping_noise(G, V), V, preconditioner_lr)
+        return tuple(Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs)
+
+    def fit_factors(plans, all_factors, fit_targets, key):
         """One factor update for every tensor (the 'update' branch of step 2)."""
         balance, noises = fit_randomness(
             key, [G.shape for G in fit_targets], precond_dtype
         )
         new_factors = []
-        for factors, G, V in zip(all_factors, fit_targets, noises, strict=True):
+        for plan, factors, G, V in zip(
+            plans, all_factors, fit_targets, noises, strict=True
+        ):
             with jax.named_scope("precond/kron/update_factors"):
-                Qs = [factor_of(F) for F in factors]
-                if len(Qs) > 1:
-                    balanced = km.balance_factors(Qs)
-                    Qs = [
-                        jnp.where(balance, b, Q)
-                        for b, Q in zip(balanced, Qs, strict=True)
-                    ]
-                Qs = km.update_factors(
-                    Qs, km.add_damping_noise(G, V), V, preconditioner_lr
-                )
-                new_factors.append(
-                    tuple(
-                        Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q)
-                        for Q in Qs
-                    )
-                )
+                fit = functools.partial(fit_tensor, balance=balance)
+                new_factors.append(over_layers(plan, fit, tuple(factors), G, V))
         return new_factors
 
     def step(updates, state: KronState) -> tuple[optax.Updates, KronState]:
@@ -367,21 +468,21 @@ def scale_by_kron(
         )
         update_counter = jnp.where(do_update, 0, update_counter).astype(jnp.int32)
 
-        # Work on (1,)-shaped views of scalars, in the factors' dtype.
+        plans, _ = plan_tree(updates)
         as_tensor = [
-            (m if m.ndim else m.reshape(1)).astype(precond_dtype) for m in mu_hats
+            tensor_view(plan, m) for plan, m in zip(plans, mu_hats, strict=True)
         ]
         fit_targets = as_tensor
         if not momentum_into_precond_update:
             fit_targets = [
-                (g if g.ndim else g.reshape(1)).astype(precond_dtype) for g in grads
+                tensor_view(plan, g) for plan, g in zip(plans, grads, strict=True)
             ]
         all_factors = treedef.flatten_up_to(state.preconditioners)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
         with _matmul_precision(precond_update_precision):
             all_factors = jax.lax.cond(
                 do_update,
-                lambda f: fit_factors(f, fit_targets, key),
+                lambda f: fit_factors(plans, f, fit_targets, key),
                 lambda f: [tuple(fs) for fs in f],
                 all_factors,
             )
@@ -391,10 +492,10 @@ def scale_by_kron(
             _matmul_precision(precond_grads_precision),
             jax.named_scope("precond/kron/precondition"),
         ):
-            for factors, G, g in zip(all_factors, as_tensor, grads, strict=True):
-                U = apply_preconditioner(factors, G)
-                rms = jnp.sqrt(jnp.mean(jnp.square(U)))
-                U = U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS)
+            for plan, factors, G, g in zip(
+                plans, all_factors, as_tensor, grads, strict=True
+            ):
+                U = over_layers(plan, precondition_tensor, tuple(factors), G)
                 new_updates.append(U.reshape(g.shape).astype(g.dtype))
 
         new_state = KronState(
@@ -438,6 +539,11 @@ def kron(
     precond_dtype: Any | None = None,
     precond_update_precision: str | None = "tensorfloat32",
     precond_grads_precision: str | None = None,
+    scanned_layers: Any | Callable | None = None,
+    lax_map_scanned_layers: bool = False,
+    lax_map_batch_size: int = 8,
+    merge_small_dims: bool = False,
+    target_merged_dim_size: int = 2048,
     *,
     preconditioner_cache: str | None = "packed",
     seed: int = 42,
@@ -476,6 +582,11 @@ def kron(
             precond_dtype=precond_dtype,
             precond_update_precision=precond_update_precision,
             precond_grads_precision=precond_grads_precision,
+            scanned_layers=scanned_layers,
+            lax_map_scanned_layers=lax_map_scanned_layers,
+            lax_map_batch_size=lax_map_batch_size,
+            merge_small_dims=merge_small_dims,
+            target_merged_dim_size=target_merged_dim_size,
             preconditioner_cache=preconditioner_cache,
             seed=seed,
         )

@@ -1,0 +1,169 @@
+"""Structure identities of Kron's scanned layers and merged dims (DESIGN.md §7.2)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import precond.jax as pj
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _updates(optimizer, params, grads_per_step):
+    state = optimizer.init(params)
+    update = jax.jit(optimizer.update)
+    outputs = []
+    for grads in grads_per_step:
+        updates, state = update(grads, state)
+        outputs.append(updates)
+    return outputs, state
+
+
+def _random_grads(shapes, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {name: jnp.asarray(rng.normal(size=shape)) for name, shape in shapes.items()}
+        for _ in range(steps)
+    ]
+
+
+KWARGS = dict(precond_dtype=jnp.float64, preconditioner_update_probability=0.5)
+
+
+@pytest.mark.parametrize("lax_map", [False, True])
+def test_scanned_parameter_equals_independent_layers(lax_map):
+    """A (L, m, n) parameter marked scanned = L separate (m, n) parameters.
+
+    The noise is one draw sliced in leaf order, so layer l of the stack sees the same
+    V as the l-th separate parameter: the runs agree to rounding.
+    """
+    layers, m, n = 3, 5, 4
+    stacked_grads = _random_grads({"stack": (layers, m, n)}, steps=4)
+    separate_grads = [
+        {f"layer{l}": g["stack"][l] for l in range(layers)} for g in stacked_grads
+    ]
+    scanned = pj.scale_by_kron(
+        scanned_layers={"stack": True},
+        lax_map_scanned_layers=lax_map,
+        lax_map_batch_size=2,
+        **KWARGS,
+    )
+    stacked, state = _updates(
+        scanned, {"stack": jnp.zeros((layers, m, n))}, stacked_grads
+    )
+    separate, _ = _updates(
+        pj.scale_by_kron(**KWARGS),
+        {f"layer{l}": jnp.zeros((m, n)) for l in range(layers)},
+        separate_grads,
+    )
+    for got, want in zip(stacked, separate):
+        for l in range(layers):
+            np.testing.assert_allclose(
+                got["stack"][l], want[f"layer{l}"], rtol=1e-12, atol=1e-15
+            )
+    shapes = [f.shape for f in jax.tree.leaves(state.preconditioners)]
+    assert shapes == [(layers, m + 1, m), (layers, n + 1, n)]
+
+
+def test_scanned_layers_accepts_a_callable():
+    params = {"stack": jnp.zeros((2, 3, 3)), "bias": jnp.zeros(3)}
+    optimizer = pj.scale_by_kron(
+        scanned_layers=lambda p: jax.tree.map(lambda x: x.ndim == 3, p)
+    )
+    state = optimizer.init(params)
+    assert state.preconditioners["stack"][0].shape == (2, 4, 3)
+    assert state.preconditioners["bias"][0].shape == (3,)
+
+
+def test_merged_dims_equal_kron_on_the_merged_shape():
+    """merge_small_dims on shape s = plain Kron on the reshaped parameter."""
+    shapes = {"conv": (4, 2, 3, 3), "vector": (5,), "matrix": (3, 4)}
+    # (4, 2, 3, 3) under target 20: (8, 9) beats (4, 18) as the more balanced split.
+    merged = {"conv": (8, 9), "vector": (5,), "matrix": (3, 4)}
+    grads = _random_grads(shapes, steps=4)
+    with_merging, state = _updates(
+        pj.scale_by_kron(merge_small_dims=True, target_merged_dim_size=20, **KWARGS),
+        {k: jnp.zeros(s) for k, s in shapes.items()},
+        grads,
+    )
+    reshaped, _ = _updates(
+        pj.scale_by_kron(**KWARGS),
+        {k: jnp.zeros(s) for k, s in merged.items()},
+        [{k: g[k].reshape(merged[k]) for k in shapes} for g in grads],
+    )
+    for got, want in zip(with_merging, reshaped):
+        for k in shapes:
+            np.testing.assert_allclose(
+                got[k], want[k].reshape(shapes[k]), rtol=1e-12, atol=1e-15
+            )
+    conv_factors = [f.shape for f in state.preconditioners["conv"]]
+    assert conv_factors == [(9, 8), (10, 9)]
+
+
+def test_merging_keeps_factor_memory_small_for_conv_kernels():
+    """A (64, 32, 3, 3) kernel: factors 64 and 288, ~4.7 numbers per parameter."""
+    params = {"kernel": jnp.zeros((64, 32, 3, 3), jnp.float32)}
+    state = pj.scale_by_kron(merge_small_dims=True).init(params)
+    factor_numbers = sum(f.size for f in jax.tree.leaves(state.preconditioners))
+    assert [f.shape for f in state.preconditioners["kernel"]] == [(65, 64), (289, 288)]
+    assert factor_numbers < 5 * math.prod(params["kernel"].shape)
+
+
+def test_merged_axis_is_diagonal_only_if_all_its_sources_are():
+    # (1, 8): the size-1 axis is diagonal, the 8 is not; they stay two dims.
+    # (3, 4, 5) with one_diag: axis 2 diagonal; merging (3, 4) keeps it triangular.
+    params = {"row": jnp.zeros((1, 8)), "t": jnp.zeros((3, 4, 5))}
+    state = pj.scale_by_kron(
+        merge_small_dims=True, target_merged_dim_size=12, memory_save_mode="one_diag"
+    ).init(params)
+    assert [f.shape for f in state.preconditioners["row"]] == [(1,), (8,)]
+    assert [f.shape for f in state.preconditioners["t"]] == [(13, 12), (5,)]
+
+
+def test_digits_mlp_state_with_merging_is_within_twice_the_plain_state():
+    params = {
+        "w1": jnp.zeros((64, 256)),
+        "b1": jnp.zeros(256),
+        "w2": jnp.zeros((256, 256)),
+        "b2": jnp.zeros(256),
+        "w3": jnp.zeros((256, 10)),
+        "b3": jnp.zeros(10),
+    }
+
+    def state_bytes(**kwargs):
+        state = pj.kron(**kwargs).init(params)
+        return sum(x.nbytes for x in jax.tree.leaves(state))
+
+    assert state_bytes(merge_small_dims=True) <= 2 * state_bytes()
+
+
+@pytest.mark.parametrize(
+    ("scanned_layers", "message"),
+    [
+        ({"a": True}, "Invalid scanned_layers: must have the structure of the params"),
+        ({"a": True, "s": True}, "Invalid scanned_layers: parameter ['s'] is 0-d"),
+    ],
+)
+def test_bad_scanned_layers(scanned_layers, message):
+    params = {"a": jnp.zeros((2, 3)), "s": jnp.zeros(())}
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        pj.scale_by_kron(scanned_layers=scanned_layers).init(params)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lax_map_batch_size": 0}, "Invalid lax_map_batch_size=0: must be >= 1"),
+        ({"target_merged_dim_size": -4}, "Invalid target_merged_dim_size=-4"),
+    ],
+)
+def test_bad_structure_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pj.kron(**kwargs)
