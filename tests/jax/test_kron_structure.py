@@ -34,6 +34,10 @@ def _random_grads(shapes, steps, seed=0):
     ]
 
 
+def _factor_shapes(state):
+    return [f.shape for f in jax.tree.leaves(state.preconditioners)]
+
+
 KWARGS = dict(precond_dtype=jnp.float64, preconditioner_update_probability=0.5)
 
 
@@ -68,8 +72,7 @@ def test_scanned_parameter_equals_independent_layers(lax_map):
             np.testing.assert_allclose(
                 got["stack"][l], want[f"layer{l}"], rtol=1e-12, atol=1e-15
             )
-    shapes = [f.shape for f in jax.tree.leaves(state.preconditioners)]
-    assert shapes == [(layers, m + 1, m), (layers, n + 1, n)]
+    assert _factor_shapes(state) == [(layers, m + 1, m), (layers, n + 1, n)]
 
 
 def test_scanned_layers_accepts_a_callable():
@@ -78,8 +81,8 @@ def test_scanned_layers_accepts_a_callable():
         scanned_layers=lambda p: jax.tree.map(lambda x: x.ndim == 3, p)
     )
     state = optimizer.init(params)
-    assert state.preconditioners["stack"][0].shape == (2, 4, 3)
-    assert state.preconditioners["bias"][0].shape == (3,)
+    # Stacks in leaf order: the bias's one unit, then the two layers of "stack".
+    assert _factor_shapes(state) == [(1, 3), (2, 4, 3), (2, 4, 3)]
 
 
 def test_merged_dims_equal_kron_on_the_merged_shape():
@@ -103,8 +106,14 @@ def test_merged_dims_equal_kron_on_the_merged_shape():
             np.testing.assert_allclose(
                 got[k], want[k].reshape(shapes[k]), rtol=1e-12, atol=1e-15
             )
-    conv_factors = [f.shape for f in state.preconditioners["conv"]]
-    assert conv_factors == [(9, 8), (10, 9)]
+    # Stacks in leaf order: conv (8, 9), matrix (3, 4), vector (5,).
+    assert _factor_shapes(state) == [
+        (1, 9, 8),
+        (1, 10, 9),
+        (1, 4, 3),
+        (1, 5, 4),
+        (1, 5),
+    ]
 
 
 def test_merging_keeps_factor_memory_small_for_conv_kernels():
@@ -112,19 +121,18 @@ def test_merging_keeps_factor_memory_small_for_conv_kernels():
     params = {"kernel": jnp.zeros((64, 32, 3, 3), jnp.float32)}
     state = pj.scale_by_kron(merge_small_dims=True).init(params)
     factor_numbers = sum(f.size for f in jax.tree.leaves(state.preconditioners))
-    assert [f.shape for f in state.preconditioners["kernel"]] == [(65, 64), (289, 288)]
+    assert _factor_shapes(state) == [(1, 65, 64), (1, 289, 288)]
     assert factor_numbers < 5 * math.prod(params["kernel"].shape)
 
 
 def test_merged_axis_is_diagonal_only_if_all_its_sources_are():
-    # (1, 8): the size-1 axis is diagonal, the 8 is not; they stay two dims.
-    # (3, 4, 5) with one_diag: axis 2 diagonal; merging (3, 4) keeps it triangular.
+    # one_diag: (1, 8) gets two diagonal factors (size 1, and the largest axis);
+    # (3, 4, 5): axis 2 diagonal; the merged (3, 4) -> 12 stays triangular.
     params = {"row": jnp.zeros((1, 8)), "t": jnp.zeros((3, 4, 5))}
     state = pj.scale_by_kron(
         merge_small_dims=True, target_merged_dim_size=12, memory_save_mode="one_diag"
     ).init(params)
-    assert [f.shape for f in state.preconditioners["row"]] == [(1,), (8,)]
-    assert [f.shape for f in state.preconditioners["t"]] == [(13, 12), (5,)]
+    assert _factor_shapes(state) == [(1, 1), (1, 8), (1, 13, 12), (1, 5)]
 
 
 def test_digits_mlp_state_with_merging_is_within_twice_the_plain_state():

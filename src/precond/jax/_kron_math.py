@@ -91,12 +91,17 @@ def norm_lower_bound(S: jax.Array) -> jax.Array:
     return jnp.where(scale > 0, bound, 0).astype(S.dtype)
 
 
-def add_damping_noise(G: jax.Array, V: jax.Array) -> jax.Array:
+def add_damping_noise(
+    G: jax.Array, V: jax.Array, valid_count: jax.Array | int | None = None
+) -> jax.Array:
     """G̃ = G + sqrt(ε_f32)·mean|G|·V.
 
-    The noise keeps the fit well posed when G is tiny or rank deficient.
+    The noise keeps the fit well posed when G is tiny or rank deficient. For a
+    zero-padded block, pass the number of real entries as ``valid_count`` so the
+    mean ignores the padding.
     """
-    return G + DAMPING_SCALE * jnp.mean(jnp.abs(G)) * V
+    count = G.size if valid_count is None else valid_count
+    return G + DAMPING_SCALE * (jnp.sum(jnp.abs(G)) / count).astype(G.dtype) * V
 
 
 def update_factors(
@@ -137,13 +142,24 @@ def update_factors(
     return new_Qs
 
 
-def balance_factors(Qs: Sequence[jax.Array]) -> list[jax.Array]:
+def balance_factors(
+    Qs: Sequence[jax.Array], valid: Sequence[jax.Array] | None = None
+) -> list[jax.Array]:
     """Rescales factors to equal max-abs norms without changing ⊗ Q_iᵀQ_i.
 
     With n_i = max|Q_i| and γ = (∏ n_i)^{1/k}: Q_i ← Q_i·γ/n_i. Prevents one factor
-    from growing while another shrinks until they under- or overflow.
+    from growing while another shrinks until they under- or overflow. ``valid``
+    (one boolean vector per axis) restricts the norms to the real rows and columns
+    of a zero-padded block.
     """
-    norms = jnp.stack([jnp.max(jnp.abs(Q)) for Q in Qs])
+    norms = []
+    for i, Q in enumerate(Qs):
+        magnitude = jnp.abs(Q)
+        if valid is not None:
+            mask = valid[i] if Q.ndim == 1 else valid[i][:, None] & valid[i][None, :]
+            magnitude = jnp.where(mask, magnitude, 0)
+        norms.append(jnp.max(magnitude))
+    norms = jnp.stack(norms)
     safe = jnp.where(norms > 0, norms, 1)
     gamma = jnp.exp(jnp.mean(jnp.log(safe)))
     return [Q * (gamma / safe[i]).astype(Q.dtype) for i, Q in enumerate(Qs)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,18 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from precond._common.factor_plan import (
-    MEMORY_SAVE_MODES,
-    merge_dims,
-    plan_diagonal_axes,
-)
+from precond._common.factor_plan import MEMORY_SAVE_MODES
 from precond._common.validation import (
     check_choice,
     check_int,
     check_real,
     is_concrete_number,
 )
+from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
+from precond.jax._kron_layout import StackPlan, TensorPlan
 
 # Precision names accepted by jax.default_matmul_precision.
 MATMUL_PRECISIONS = (
@@ -51,6 +48,7 @@ KRON_STATIC_ARGS = (
     "min_ndim_triangular",
     "lax_map_batch_size",
     "target_merged_dim_size",
+    "block_size",
     "seed",
 )
 # Probability of balancing the factors' norms on a preconditioner update.
@@ -64,18 +62,11 @@ class KronState(NamedTuple):
 
     count: jax.Array  # shape=(), dtype=int32: steps taken (skipped steps not counted)
     mu: optax.Updates | None  # like params, dtype=mu_dtype; None when b1 == 0
-    preconditioners: Any  # like params; each leaf a tuple of factors, one per axis:
-    # (d,) diagonal; triangular by preconditioner_cache: None (d, d) Q,
-    # 'packed' (d + 1, d) Q with QᵀQ in its lower triangle, 'dense' (2, d, d) [Q, QᵀQ]
+    preconditioners: tuple  # per stack of equal-shaped units (see _kron_layout), a
+    # tuple of factors per axis, each with a leading unit axis: (units, b) diagonal;
+    # triangular by preconditioner_cache: None (units, b, b) Q, 'packed'
+    # (units, b + 1, b) Q with QᵀQ in its lower triangle, 'dense' (units, 2, b, b)
     update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
-
-
-class TensorPlan(NamedTuple):
-    """How one parameter is preconditioned; derived from its shape at trace time."""
-
-    scanned: bool  # the leading axis stacks layers: factors per layer (vmapped)
-    shape: tuple[int, ...]  # shape of one layer after merging: one factor per axis
-    diagonal: tuple[bool, ...]  # per axis of ``shape``: diagonal (True) or triangular
 
 
 def precond_update_prob_schedule(
@@ -146,6 +137,7 @@ def _validate(
     precond_grads_precision,
     lax_map_batch_size,
     target_merged_dim_size,
+    block_size,
     preconditioner_cache,
     seed,
 ) -> None:
@@ -176,6 +168,7 @@ def _validate(
     check_choice("precond_grads_precision", precond_grads_precision, MATMUL_PRECISIONS)
     check_int("lax_map_batch_size", lax_map_batch_size, low=1)
     check_int("target_merged_dim_size", target_merged_dim_size, low=1)
+    check_int("block_size", block_size, low=1)
     check_choice("preconditioner_cache", preconditioner_cache, PRECONDITIONER_CACHES)
     check_int("seed", seed)
 
@@ -211,6 +204,8 @@ def scale_by_kron(
     lax_map_batch_size: int = 8,
     merge_small_dims: bool = False,
     target_merged_dim_size: int = 2048,
+    partition_grads_into_blocks: bool = False,
+    block_size: int = 256,
     *,
     preconditioner_cache: str | None = "packed",
     seed: int = 42,
@@ -264,6 +259,10 @@ def scale_by_kron(
             (see :func:`precond._common.factor_plan.merge_dims`): a (64, 32, 3, 3)
             kernel gets factors of 64 and 288.
         target_merged_dim_size: largest dim that merging may create.
+        partition_grads_into_blocks: cut axes longer than ``block_size`` into
+            blocks (the last one zero-padded), each with its own factors. Padding
+            is inert: it gets no noise and never changes the real part.
+        block_size: block length along each partitioned axis.
         preconditioner_cache: how each triangular factor keeps P_i = Q_iᵀQ_i for
             the steps between factor updates. ``'packed'`` (default) stores it in
             Q_i's unused lower triangle plus one row (d more numbers per d×d
@@ -291,6 +290,7 @@ def scale_by_kron(
         precond_grads_precision=precond_grads_precision,
         lax_map_batch_size=lax_map_batch_size,
         target_merged_dim_size=target_merged_dim_size,
+        block_size=block_size,
         preconditioner_cache=preconditioner_cache,
         seed=seed,
     )
@@ -298,34 +298,10 @@ def scale_by_kron(
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
 
-    def plan_tensor(shape: tuple[int, ...], scanned: bool, path: str) -> TensorPlan:
-        if scanned and not shape:
-            raise ValueError(
-                f"Invalid scanned_layers: parameter {path} is 0-d, so it has no "
-                "leading layer axis to scan over"
-            )
-        layer_shape = (shape[1:] if scanned else shape) or (1,)
-        diagonal = plan_diagonal_axes(
-            layer_shape,
-            max_size_triangular=max_size_triangular,
-            min_ndim_triangular=min_ndim_triangular,
-            memory_save_mode=memory_save_mode,
-        )
-        if not merge_small_dims:
-            return TensorPlan(scanned, layer_shape, diagonal)
-        # A merged axis is diagonal iff all its source axes are, or if it is too big.
-        groups = merge_dims(layer_shape, target_merged_dim_size)
-        merged = tuple(math.prod(layer_shape[a] for a in g) for g in groups)
-        merged_diagonal = tuple(
-            all(diagonal[a] for a in g) or size > max_size_triangular
-            for g, size in zip(groups, merged, strict=True)
-        )
-        return TensorPlan(scanned, merged, merged_diagonal)
-
-    def plan_tree(params) -> tuple[list[TensorPlan], Any]:
-        """The plan of every leaf, and the treedef of ``params``."""
-        leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-        flags = scanned_layers(params) if callable(scanned_layers) else scanned_layers
+    def plan_tree(tree) -> tuple[Any, list[TensorPlan], list[StackPlan]]:
+        """The treedef of ``tree``, a plan per leaf, and the stacks of their units."""
+        leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        flags = scanned_layers(tree) if callable(scanned_layers) else scanned_layers
         if flags is None:
             flags = [False] * len(leaves_with_paths)
         else:
@@ -338,57 +314,21 @@ def scale_by_kron(
                     f"{jax.tree.structure(flags)}"
                 ) from error
         plans = [
-            plan_tensor(x.shape, bool(flag), jax.tree_util.keystr(path))
+            layout.plan_tensor(
+                x.shape,
+                scanned=bool(flag),
+                path=jax.tree_util.keystr(path),
+                max_size_triangular=max_size_triangular,
+                min_ndim_triangular=min_ndim_triangular,
+                memory_save_mode=memory_save_mode,
+                merge_small_dims=merge_small_dims,
+                target_merged_dim_size=target_merged_dim_size,
+                block_size=block_size if partition_grads_into_blocks else None,
+            )
             for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
         ]
-        return plans, treedef
-
-    def tensor_view(plan: TensorPlan, x: jax.Array) -> jax.Array:
-        """``x`` reshaped to (layers, *plan.shape) or plan.shape, in factor dtype."""
-        layers = x.shape[:1] if plan.scanned else ()
-        return x.reshape(layers + plan.shape).astype(precond_dtype)
-
-    def init_factors(plan: TensorPlan, param: jax.Array) -> tuple[jax.Array, ...]:
-        scale = jnp.asarray(preconditioner_init_scale, precond_dtype) ** (
-            1.0 / len(plan.shape)
-        )
-        factors = []
-        for size, diagonal in zip(plan.shape, plan.diagonal, strict=True):
-            if diagonal:
-                factor = scale * jnp.ones((size,), precond_dtype)
-            else:
-                factor = stored(scale * jnp.eye(size, dtype=precond_dtype))
-            if plan.scanned:
-                factor = jnp.broadcast_to(factor, param.shape[:1] + factor.shape)
-            factors.append(factor)
-        return tuple(factors)
-
-    def over_layers(plan: TensorPlan, fn: Callable, *args):
-        """``fn(*args)`` for one tensor, or mapped over the layers of a scanned one."""
-        if not plan.scanned:
-            return fn(*args)
-        if lax_map_scanned_layers:
-            return jax.lax.map(lambda xs: fn(*xs), args, batch_size=lax_map_batch_size)
-        return jax.vmap(fn)(*args)
-
-    def init_fn(params: optax.Params) -> KronState:
-        plans, treedef = plan_tree(params)
-        mu = None
-        if keep_momentum:
-            mu = jax.tree.map(
-                lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
-            )
-        return KronState(
-            count=jnp.zeros([], jnp.int32),
-            mu=mu,
-            preconditioners=treedef.unflatten(
-                [
-                    init_factors(plan, x)
-                    for plan, x in zip(plans, jax.tree.leaves(params), strict=True)
-                ]
-            ),
-            update_counter=jnp.zeros([], jnp.int32),
-        )
+        shapes = [x.shape for _, x in leaves_with_paths]
+        return treedef, plans, layout.plan_stacks(plans, shapes)
 
     def stored(Q: jax.Array) -> jax.Array:
         """The state array of a triangular factor, in the chosen cache layout."""
@@ -410,40 +350,79 @@ def scale_by_kron(
             return F * F
         return km.unpack_gram(F) if preconditioner_cache == "packed" else F[1]
 
-    def precondition_tensor(factors, G):
-        """U = P·G for one tensor, scaled so RMS(U) <= 1.1."""
-        if preconditioner_cache is None:
-            U = km.precondition(factors, G)
-        else:
-            U = km.precondition_with_grams([gram_of(F) for F in factors], G)
-        rms = jnp.sqrt(jnp.mean(jnp.square(U)))
-        return U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS)
+    def init_stack(stack: StackPlan) -> tuple[jax.Array, ...]:
+        """Factors of every unit of a stack: s^{1/k}·I (or s^{1/k}·1) per axis."""
+        units = len(stack.extents)
+        scale = jnp.asarray(preconditioner_init_scale, precond_dtype) ** (
+            1.0 / len(stack.block_shape)
+        )
+        factors = []
+        for size, diagonal in zip(stack.block_shape, stack.diagonal, strict=True):
+            if diagonal:
+                factor = scale * jnp.ones((size,), precond_dtype)
+            else:
+                factor = stored(scale * jnp.eye(size, dtype=precond_dtype))
+            factors.append(jnp.broadcast_to(factor, (units, *factor.shape)))
+        return tuple(factors)
 
-    def fit_tensor(factors, G, V, balance):
-        """One factor update of one tensor from the pair (G + damping noise, V)."""
+    def init_fn(params: optax.Params) -> KronState:
+        _, _, stacks = plan_tree(params)
+        mu = None
+        if keep_momentum:
+            mu = jax.tree.map(
+                lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
+            )
+        return KronState(
+            count=jnp.zeros([], jnp.int32),
+            mu=mu,
+            preconditioners=tuple(init_stack(stack) for stack in stacks),
+            update_counter=jnp.zeros([], jnp.int32),
+        )
+
+    def over_units(fn: Callable, *stacked):
+        """``fn`` applied to every unit of a stack (vmap, or lax.map in batches)."""
+        if lax_map_scanned_layers:
+            return jax.lax.map(
+                lambda xs: fn(*xs), stacked, batch_size=lax_map_batch_size
+            )
+        return jax.vmap(fn)(*stacked)
+
+    def precondition_unit(factors, G):
+        """U = P·G for one unit."""
+        if preconditioner_cache is None:
+            return km.precondition(factors, G)
+        return km.precondition_with_grams([gram_of(F) for F in factors], G)
+
+    def fit_unit(factors, G, V, extent, balance):
+        """One factor update of one unit from (G + damping noise, V).
+
+        ``extent`` is the unit's real size per axis: padding beyond it holds zeros
+        in G and V and is kept out of the damping scale and the balancing norms.
+        """
+        valid = [jnp.arange(size) < extent[i] for i, size in enumerate(G.shape)]
         Qs = [factor_of(F) for F in factors]
         if len(Qs) > 1:
-            balanced = km.balance_factors(Qs)
+            balanced = km.balance_factors(Qs, valid)
             Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs, strict=True)]
-        Qs = km.update_factors(Qs, km.add_damping_noise(G, V), V, preconditioner_lr)
+        G = km.add_damping_noise(G, V, jnp.prod(extent))
+        Qs = km.update_factors(Qs, G, V, preconditioner_lr)
         return tuple(Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs)
 
-    def fit_factors(plans, all_factors, fit_targets, key):
-        """One factor update for every tensor (the 'update' branch of step 2)."""
-        balance, noises = fit_randomness(
-            key, [G.shape for G in fit_targets], precond_dtype
-        )
+    def fit_stacks(stacks, all_factors, G_stacks, V_stacks, balance):
+        """One factor update of every unit (the 'update' branch of step 2)."""
         new_factors = []
-        for plan, factors, G, V in zip(
-            plans, all_factors, fit_targets, noises, strict=True
+        for stack, factors, G, V in zip(
+            stacks, all_factors, G_stacks, V_stacks, strict=True
         ):
             with jax.named_scope("precond/kron/update_factors"):
-                fit = functools.partial(fit_tensor, balance=balance)
-                new_factors.append(over_layers(plan, fit, tuple(factors), G, V))
-        return new_factors
+                fit = functools.partial(fit_unit, balance=balance)
+                extents = jnp.asarray(stack.extents)
+                new_factors.append(over_units(fit, tuple(factors), G, V, extents))
+        return tuple(new_factors)
 
     def step(updates, state: KronState) -> tuple[optax.Updates, KronState]:
-        grads, treedef = jax.tree.flatten(updates)
+        grads = jax.tree.leaves(updates)
+        treedef, plans, stacks = plan_tree(updates)
         count = _saturating_increment(state.count)
         if keep_momentum:
             mus = [
@@ -468,40 +447,60 @@ def scale_by_kron(
         )
         update_counter = jnp.where(do_update, 0, update_counter).astype(jnp.int32)
 
-        plans, _ = plan_tree(updates)
-        as_tensor = [
-            tensor_view(plan, m) for plan, m in zip(plans, mu_hats, strict=True)
-        ]
-        fit_targets = as_tensor
-        if not momentum_into_precond_update:
-            fit_targets = [
-                tensor_view(plan, g) for plan, g in zip(plans, grads, strict=True)
+        # Views of shape (layers?, *merged shape) in the factors' dtype.
+        leads = [plan.lead(g.shape) for plan, g in zip(plans, grads, strict=True)]
+
+        def views(tensors):
+            return [
+                x.reshape(lead + plan.shape).astype(precond_dtype)
+                for x, plan, lead in zip(tensors, plans, leads, strict=True)
             ]
-        all_factors = treedef.flatten_up_to(state.preconditioners)
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
+
+        def fit(all_factors):
+            fit_targets = mu_hats if momentum_into_precond_update else grads
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
+            targets = views(fit_targets)
+            balance, noises = fit_randomness(
+                key, [x.shape for x in targets], precond_dtype
+            )
+            G_stacks = layout.to_stacks(targets, plans, stacks)
+            V_stacks = layout.to_stacks(noises, plans, stacks)
+            return fit_stacks(stacks, all_factors, G_stacks, V_stacks, balance)
+
         with _matmul_precision(precond_update_precision):
             all_factors = jax.lax.cond(
-                do_update,
-                lambda f: fit_factors(plans, f, fit_targets, key),
-                lambda f: [tuple(fs) for fs in f],
-                all_factors,
+                do_update, fit, lambda f: tuple(f), state.preconditioners
             )
 
-        new_updates = []
         with (
             _matmul_precision(precond_grads_precision),
             jax.named_scope("precond/kron/precondition"),
         ):
-            for plan, factors, G, g in zip(
-                plans, all_factors, as_tensor, grads, strict=True
-            ):
-                U = over_layers(plan, precondition_tensor, tuple(factors), G)
-                new_updates.append(U.reshape(g.shape).astype(g.dtype))
+            U_stacks = [
+                over_units(precondition_unit, tuple(factors), G)
+                for factors, G in zip(
+                    all_factors,
+                    layout.to_stacks(views(mu_hats), plans, stacks),
+                    strict=True,
+                )
+            ]
+        new_updates = []
+        for U, g, lead in zip(
+            layout.from_stacks(U_stacks, plans, stacks, leads),
+            grads,
+            leads,
+            strict=False,
+        ):
+            # RMS clip per parameter (per layer of a scanned one).
+            axes = tuple(range(len(lead), U.ndim))
+            rms = jnp.sqrt(jnp.mean(jnp.square(U), axis=axes, keepdims=True))
+            U = U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS)
+            new_updates.append(U.reshape(g.shape).astype(g.dtype))
 
         new_state = KronState(
             count=count,
             mu=None if mus is None else treedef.unflatten(mus),
-            preconditioners=treedef.unflatten(all_factors),
+            preconditioners=all_factors,
             update_counter=update_counter,
         )
         return treedef.unflatten(new_updates), new_state
@@ -544,6 +543,8 @@ def kron(
     lax_map_batch_size: int = 8,
     merge_small_dims: bool = False,
     target_merged_dim_size: int = 2048,
+    partition_grads_into_blocks: bool = False,
+    block_size: int = 256,
     *,
     preconditioner_cache: str | None = "packed",
     seed: int = 42,
@@ -587,6 +588,8 @@ def kron(
             lax_map_batch_size=lax_map_batch_size,
             merge_small_dims=merge_small_dims,
             target_merged_dim_size=target_merged_dim_size,
+            partition_grads_into_blocks=partition_grads_into_blocks,
+            block_size=block_size,
             preconditioner_cache=preconditioner_cache,
             seed=seed,
         )

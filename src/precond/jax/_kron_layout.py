@@ -1,0 +1,201 @@
+"""How Kron lays parameters out for its kernels: plans, blocks and stacks.
+
+Every parameter becomes *units*, each preconditioned by its own Kronecker factors:
+one unit per layer of a scanned parameter, times one per block when large axes are
+partitioned. Units of equal block shape and factor structure, from all parameters,
+are stacked into one array so that a single vmapped program fits or applies all of
+their preconditioners (fewer, larger kernels; one place to shard the work).
+
+Blocks on the edge are zero-padded to the full block shape. Kernels receive each
+unit's valid extent per axis so that padding stays inert: padded rows never get
+noise, never count in damping or balancing, and never touch the real part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from precond._common.factor_plan import merge_dims, plan_diagonal_axes
+
+
+class TensorPlan(NamedTuple):
+    """How one parameter is preconditioned; derived from its shape at trace time."""
+
+    scanned: bool  # the leading axis stacks layers: one unit per layer
+    shape: tuple[int, ...]  # shape of one layer after merging
+    diagonal: tuple[bool, ...]  # per axis of ``shape``: diagonal factor or triangular
+    block_shape: tuple[int, ...]  # shape of one unit: ``shape`` cut to the block size
+
+    @property
+    def blocks_per_axis(self) -> tuple[int, ...]:
+        return tuple(
+            -(-d // b) for d, b in zip(self.shape, self.block_shape, strict=True)
+        )
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """``shape`` rounded up to whole blocks."""
+        return tuple(
+            n * b for n, b in zip(self.blocks_per_axis, self.block_shape, strict=True)
+        )
+
+    def lead(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The layer axis of a scanned parameter, () otherwise."""
+        return param_shape[:1] if self.scanned else ()
+
+
+class StackPlan(NamedTuple):
+    """Units of several parameters that share a block shape and factor structure."""
+
+    block_shape: tuple[int, ...]
+    diagonal: tuple[bool, ...]
+    members: tuple[int, ...]  # indices of the parameters whose units it holds, in order
+    extents: np.ndarray  # (units, ndim) int32: valid size of each unit along each axis
+
+
+def plan_tensor(
+    shape: tuple[int, ...],
+    *,
+    scanned: bool,
+    path: str,
+    max_size_triangular: int,
+    min_ndim_triangular: int,
+    memory_save_mode: str | None,
+    merge_small_dims: bool,
+    target_merged_dim_size: int,
+    block_size: int | None,
+) -> TensorPlan:
+    """Plans one parameter: its layers, merged shape, factor structure and blocks.
+
+    Factor structure is decided on the (unmerged) layer shape; a merged axis is
+    diagonal iff all its source axes are, or if it exceeds ``max_size_triangular``.
+    ``block_size=None`` keeps every axis whole.
+    """
+    if scanned and not shape:
+        raise ValueError(
+            f"Invalid scanned_layers: parameter {path} is 0-d, so it has no leading "
+            "layer axis to scan over"
+        )
+    layer_shape = (shape[1:] if scanned else shape) or (1,)
+    diagonal = plan_diagonal_axes(
+        layer_shape,
+        max_size_triangular=max_size_triangular,
+        min_ndim_triangular=min_ndim_triangular,
+        memory_save_mode=memory_save_mode,
+    )
+    if merge_small_dims:
+        groups = merge_dims(layer_shape, target_merged_dim_size)
+        merged = tuple(math.prod(layer_shape[a] for a in g) for g in groups)
+        diagonal = tuple(
+            all(diagonal[a] for a in g) or size > max_size_triangular
+            for g, size in zip(groups, merged, strict=True)
+        )
+        layer_shape = merged
+    block_shape = tuple(
+        d if block_size is None else min(d, block_size) for d in layer_shape
+    )
+    return TensorPlan(scanned, layer_shape, diagonal, block_shape)
+
+
+def unit_extents(plan: TensorPlan, lead: tuple[int, ...]) -> np.ndarray:
+    """(units, ndim): the valid size of each unit of a parameter along each axis."""
+    per_axis = []
+    for d, b, n in zip(plan.shape, plan.block_shape, plan.blocks_per_axis, strict=True):
+        per_axis.append([min(b, d - i * b) for i in range(n)])
+    grid = np.array(np.meshgrid(*per_axis, indexing="ij")).reshape(len(per_axis), -1)
+    return np.tile(grid.T, (math.prod(lead), 1)).astype(np.int32)
+
+
+def plan_stacks(
+    plans: Sequence[TensorPlan], shapes: Sequence[tuple]
+) -> list[StackPlan]:
+    """Groups the units of all parameters by (block shape, factor structure)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, plan in enumerate(plans):
+        groups.setdefault((plan.block_shape, plan.diagonal), []).append(index)
+    return [
+        StackPlan(
+            block_shape,
+            diagonal,
+            tuple(members),
+            np.concatenate(
+                [unit_extents(plans[i], plans[i].lead(shapes[i])) for i in members]
+            ),
+        )
+        for (block_shape, diagonal), members in groups.items()
+    ]
+
+
+def to_units(x: jax.Array, plan: TensorPlan) -> jax.Array:
+    """(*lead, *plan.shape) → (units, *plan.block_shape), zero-padding edge blocks."""
+    k = len(plan.shape)
+    lead = x.shape[: x.ndim - k]
+    padded = plan.padded_shape
+    if padded != plan.shape:
+        x = jnp.pad(
+            x,
+            [(0, 0)] * len(lead)
+            + [(0, p - d) for p, d in zip(padded, plan.shape, strict=True)],
+        )
+    split = lead + tuple(
+        s
+        for n, b in zip(plan.blocks_per_axis, plan.block_shape, strict=True)
+        for s in (n, b)
+    )
+    order = (
+        tuple(range(len(lead)))
+        + tuple(len(lead) + 2 * i for i in range(k))
+        + tuple(len(lead) + 2 * i + 1 for i in range(k))
+    )
+    return x.reshape(split).transpose(order).reshape((-1, *plan.block_shape))
+
+
+def from_units(units: jax.Array, plan: TensorPlan, lead: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`to_units`: (units, *block_shape) → (*lead, *plan.shape)."""
+    k = len(plan.shape)
+    grid = lead + plan.blocks_per_axis + plan.block_shape
+    order = tuple(range(len(lead))) + tuple(
+        axis for i in range(k) for axis in (len(lead) + i, len(lead) + k + i)
+    )
+    padded = plan.padded_shape
+    x = units.reshape(grid).transpose(order).reshape(lead + padded)
+    if padded != plan.shape:
+        x = x[(..., *tuple(slice(0, d) for d in plan.shape))]
+    return x
+
+
+def to_stacks(
+    tensors: Sequence[jax.Array],
+    plans: Sequence[TensorPlan],
+    stacks: Sequence[StackPlan],
+) -> list[jax.Array]:
+    """Per-parameter (*lead, *shape) arrays → one (units, *block_shape) per stack."""
+    return [
+        jnp.concatenate([to_units(tensors[i], plans[i]) for i in stack.members])
+        if len(stack.members) > 1
+        else to_units(tensors[stack.members[0]], plans[stack.members[0]])
+        for stack in stacks
+    ]
+
+
+def from_stacks(
+    stacked: Sequence[jax.Array],
+    plans: Sequence[TensorPlan],
+    stacks: Sequence[StackPlan],
+    leads: Sequence[tuple[int, ...]],
+) -> list[jax.Array]:
+    """Inverse of :func:`to_stacks`: per-parameter (*lead, *shape) arrays."""
+    out: list[jax.Array | None] = [None] * len(plans)
+    for stack, array in zip(stacks, stacked, strict=True):
+        start = 0
+        for i in stack.members:
+            count = math.prod(leads[i]) * math.prod(plans[i].blocks_per_axis)
+            out[i] = from_units(array[start : start + count], plans[i], leads[i])
+            start += count
+    return out
