@@ -50,34 +50,25 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------- argument types
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+def _number(convert: type, low: float):
+    """An argparse type: ``convert(text)``, finite and >= ``low``."""
+    kind = "an integer" if convert is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"{text} must be {kind} >= {low}")
+        return value
+
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return value
+_positive_int = _number(int, 1)
+_nonnegative_int = _number(int, 0)
+_nonnegative_float = _number(float, 0)
 
 
 def _names(registry: dict, kind: str):
