@@ -2,6 +2,9 @@
 
 import os
 
+from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
+
+avoid_xla_cpu_deadlock()
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()

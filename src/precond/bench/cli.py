@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from precond import __version__
+from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
 from precond.bench.optimizers import (
     BASELINE,
     DEFAULT_WEIGHT_DECAY,
@@ -293,6 +294,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 0
     overrides = _check_args(args)
     _check_requirements()
+    avoid_xla_cpu_deadlock()  # before jax is first imported
 
     from tqdm import tqdm
 
