@@ -10,7 +10,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
+import jax  # noqa: E402 - after XLA_FLAGS is set
 
 assert jax.device_count() == 8, (
     f"expected 8 simulated CPU devices, got {jax.device_count()}: "
