@@ -36,6 +36,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
+
+avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -453,9 +457,9 @@ def report(res: dict[str, Any]) -> str:
         "## 4. Where the time goes\n",
         "Each stage jitted alone over all 2-D tensors of the tree (equal shapes "
         "stacked and vmapped, as kron does; the 1-D tensors, < 0.1% of the "
-        "entries, left out), on random well-conditioned inputs. The fit's A = G ×ᵢ Qᵢ is the same matmuls as 'precondition, "
-        "dense'; 'fit total' is A, B, the Grams, the norm lower bounds and the "
-        "Q updates.\n",
+        "entries, left out), on random well-conditioned inputs. The fit's "
+        "A = G ×ᵢ Qᵢ is the same matmuls as 'precondition, dense'; 'fit total' "
+        "is A, B, the Grams, the norm lower bounds and the Q updates.\n",
         *_table(
             "stage | ms | analytic GFLOP | XLA GFLOP | GFLOP/s | % of peak",
             [
