@@ -420,13 +420,19 @@ def scale_by_kron(
                 new_factors.append(over_units(fit, tuple(factors), G, V, extents))
         return tuple(new_factors)
 
-    def step(updates, state: KronState) -> tuple[optax.Updates, KronState]:
+    def update_fn(updates, state: KronState, params=None, **extra_args):
+        del params, extra_args
         grads = jax.tree.leaves(updates)
+        if not grads:
+            return updates, state._replace(count=_saturating_increment(state.count))
+        # A step with a NaN/Inf gradient keeps the old state and returns zeros. The
+        # guard is fused into the elementwise work (no whole-state select or cond).
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
         treedef, plans, stacks = plan_tree(updates)
-        count = _saturating_increment(state.count)
+        count = jnp.where(finite, _saturating_increment(state.count), state.count)
         if keep_momentum:
             mus = [
-                (b1 * m + (1 - b1) * g).astype(m.dtype)
+                jnp.where(finite, b1 * m + (1 - b1) * g, m).astype(m.dtype)
                 for m, g in zip(treedef.flatten_up_to(state.mu), grads, strict=True)
             ]
             mu_hats = []
@@ -442,10 +448,11 @@ def scale_by_kron(
         else:
             prob = preconditioner_update_probability
         update_counter = state.update_counter + 1
-        do_update = update_counter.astype(jnp.float32) >= 1.0 / jnp.asarray(
-            prob, jnp.float32
+        do_update = finite & (
+            update_counter.astype(jnp.float32) >= 1.0 / jnp.asarray(prob, jnp.float32)
         )
-        update_counter = jnp.where(do_update, 0, update_counter).astype(jnp.int32)
+        update_counter = jnp.where(do_update, 0, update_counter)
+        update_counter = jnp.where(finite, update_counter, state.update_counter)
 
         # Views of shape (layers?, *merged shape) in the factors' dtype.
         leads = [plan.lead(g.shape) for plan, g in zip(plans, grads, strict=True)]
@@ -494,7 +501,7 @@ def scale_by_kron(
             # RMS clip per parameter (per layer of a scanned one).
             axes = tuple(range(len(lead), U.ndim))
             rms = jnp.sqrt(jnp.mean(jnp.square(U), axis=axes, keepdims=True))
-            U = U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS)
+            U = jnp.where(finite, U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS), 0)
             new_updates.append(U.reshape(g.shape).astype(g.dtype))
 
         new_state = KronState(
@@ -504,17 +511,6 @@ def scale_by_kron(
             update_counter=update_counter,
         )
         return treedef.unflatten(new_updates), new_state
-
-    def skip(updates, state: KronState) -> tuple[optax.Updates, KronState]:
-        return jax.tree.map(jnp.zeros_like, updates), state
-
-    def update_fn(updates, state: KronState, params=None, **extra_args):
-        del params, extra_args
-        leaves = jax.tree.leaves(updates)
-        if not leaves:
-            return updates, state._replace(count=_saturating_increment(state.count))
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
-        return jax.lax.cond(finite, step, skip, updates, state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
