@@ -18,7 +18,7 @@ Measures, in one process on the local JAX backend (written for CPU):
 
 Usage::
 
-    python benchmarks/kron_update.py               # full run, ~6 min on 2 cores
+    python benchmarks/kron_update.py               # full run, ~4 min on 2 cores
     python benchmarks/kron_update.py --quick       # smoke run (1 layer, few repeats)
     python benchmarks/kron_update.py --json out.json
 """
@@ -80,6 +80,7 @@ def machine_info() -> dict[str, Any]:
         "jax": jax.__version__,
         "jaxlib": __import__("jaxlib").__version__,
         "optax": optax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"
         ),
@@ -379,7 +380,7 @@ def report(res: dict[str, Any]) -> str:
         "# PSGD Kron update cost vs AdamW\n",
         f"- CPU: {info['cpu_model']}, {info['usable_cpus']} usable cores; JAX "
         f"device {info['jax_device']}; jax {info['jax']}, jaxlib {info['jaxlib']}, "
-        f"optax {info['optax']}",
+        f"optax {info['optax']}; XLA_FLAGS `{info['xla_flags']}`",
         f"- date (UTC) {info['date_utc']}; load average (1, 5, 15 min) at start "
         f"{info['loadavg_start']}, at end {info['loadavg_end']}; wall "
         f"{res['wall_s']:.0f} s",
