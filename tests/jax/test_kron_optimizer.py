@@ -295,10 +295,11 @@ def test_preconditioner_cache_layouts_agree():
     }
 
 
+@pytest.mark.parametrize("b1", [0.9, 0.0])
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
-def test_non_finite_gradient_skips_the_step(bad):
+def test_non_finite_gradient_skips_the_step(bad, b1):
     params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
-    optimizer = pj.scale_by_kron(preconditioner_update_probability=1.0)
+    optimizer = pj.scale_by_kron(b1=b1, preconditioner_update_probability=1.0)
     update = jax.jit(optimizer.update)
     _, state = update(jax.tree.map(jnp.ones_like, params), optimizer.init(params))
     bad_grads = {"w": jnp.ones((4, 3)).at[1, 2].set(bad), "b": jnp.ones(3)}
