@@ -145,11 +145,11 @@ def test_table_ratios_and_json_without_nan():
     kron_cells = table[2].split()
     assert kron_cells[3] == "nan"
     assert kron_cells[-1] == "1.50"  # state bytes 300 / 200
-    assert kron_cells[6] == "2.00"  # step time 4 ms / 2 ms
+    assert kron_cells[7] == "2.00"  # step time 4 ms / 2 ms
     # Without the baseline in the results, ratios are "-".
     alone = format_table([kron_run], baseline="adamw").splitlines()[2].split()
     assert alone[-1] == "-"
-    assert alone[6] == "-"
+    assert alone[7] == "-"
 
     document = json_document([kron_run], config={}, environment={})
     text = json.dumps(document, allow_nan=False)  # would raise on NaN

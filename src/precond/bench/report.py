@@ -20,6 +20,7 @@ COLUMNS = (
     ("optimizer", False),
     ("lr", True),
     ("train loss", True),
+    ("test loss", True),
     ("test acc", True),
     ("step ms", True),
     ("step ×base", True),
@@ -43,7 +44,8 @@ def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
     """One row per run; ratios are to the ``baseline`` optimizer's run of the same
     workload ("-" where it was not run).
 
-    Columns: final loss on the full train set, test accuracy (%), median step time
+    Columns: final loss on the full train and test sets (a float32 cross-entropy
+    that underflows prints as 0), test accuracy (%), median step time
     (ms), its ratio to the baseline, train-step compile time (s), optimizer-state
     bytes and their ratio to the baseline.
     """
@@ -58,6 +60,7 @@ def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
                 r.optimizer,
                 f"{r.learning_rate:g}",
                 _number(r.final_train_loss, ".3g"),
+                _number(r.test_loss, ".3g"),
                 _number(100 * r.test_accuracy, ".2f") + "%",
                 f"{r.median_step_ms:.3f}",
                 _ratio(r.median_step_ms, b.median_step_ms if b else None),
