@@ -1,7 +1,5 @@
 """Block partitioning: layout round trips, inert padding, and the no-op identity."""
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,14 +7,18 @@ import pytest
 
 import precond.jax as pj
 from precond.jax import _kron_layout as layout
+from tests.jax.helpers import (
+    float64,
+    kron_module,
+    run_updates,
+    seed_that_balances_at_step,
+)
 from tests.reference import kron_reference as ref
-
-kron_module = importlib.import_module("precond.jax.kron")
 
 
 @pytest.fixture(autouse=True)
 def _float64():
-    with jax.enable_x64(True):
+    with float64():
         yield
 
 
@@ -52,16 +54,6 @@ def test_units_round_trip_and_extents(shape, block_size, scanned):
         assert float(jnp.sum(unit)) == float(jnp.sum(real))  # padding is zero
 
 
-def _run(optimizer, params, grads_per_step):
-    state = optimizer.init(params)
-    update = jax.jit(optimizer.update)
-    out = []
-    for grads in grads_per_step:
-        updates, state = update(grads, state)
-        out.append(updates)
-    return out
-
-
 def _grads(shapes, steps, seed=0):
     rng = np.random.default_rng(seed)
     return [
@@ -75,22 +67,14 @@ def test_block_size_above_every_dim_equals_no_blocking():
     grads = _grads(shapes, steps=4)
     params = {k: jnp.zeros(s) for k, s in shapes.items()}
     kwargs = dict(precond_dtype=jnp.float64, preconditioner_update_probability=0.5)
-    blocked = _run(
+    blocked, _ = run_updates(
         pj.scale_by_kron(partition_grads_into_blocks=True, block_size=6, **kwargs),
         params,
         grads,
     )
-    plain = _run(pj.scale_by_kron(**kwargs), params, grads)
+    plain, _ = run_updates(pj.scale_by_kron(**kwargs), params, grads)
     for a, b in zip(blocked, plain):
         jax.tree.map(np.testing.assert_array_equal, a, b)
-
-
-def _seed_that_balances_at_step(step):
-    for seed in range(5000):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-        if bool(kron_module.fit_randomness(key, [(1,)], jnp.float64)[0]):
-            return seed
-    raise AssertionError("no balancing seed found")
 
 
 def test_padding_is_inert():
@@ -98,7 +82,7 @@ def test_padding_is_inert():
     reference fit on each real sub-block (edge blocks 4×3, 1×4, 1×3) with the same
     noise, damping over real entries only, and balancing on real entries only."""
     shape, block = (5, 7), 4
-    seed = _seed_that_balances_at_step(2)
+    seed = seed_that_balances_at_step(2)
     grads = [g["w"] for g in _grads({"w": shape}, steps=4, seed=1)]
     optimizer = pj.scale_by_kron(
         b1=0.0,
@@ -108,7 +92,7 @@ def test_padding_is_inert():
         block_size=block,
         seed=seed,
     )
-    got = _run(optimizer, {"w": jnp.zeros(shape)}, [{"w": g} for g in grads])
+    got, _ = run_updates(optimizer, {"w": jnp.zeros(shape)}, [{"w": g} for g in grads])
 
     chunks = [(slice(0, 4), slice(4, 5)), (slice(0, 4), slice(4, 7))]
     Qs = {

@@ -5,36 +5,22 @@ randomness is a pure function of seed and step), then runs momentum, the factor
 update, preconditioning and RMS clipping in NumPy.
 """
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from precond._common.factor_plan import plan_diagonal_axes
+from tests.jax.helpers import float64, kron_module, seed_that_balances_at_step
 from tests.reference import kron_reference as ref
-
-# The module, not the ``kron`` function that precond.jax re-exports under its name.
-kron_module = importlib.import_module("precond.jax.kron")
 
 SHAPES = {"a_matrix": (5, 4), "b_vector": (6,), "c_tensor": (3, 2, 4), "d_scalar": ()}
 
 
 @pytest.fixture(autouse=True)
 def _float64():
-    with jax.enable_x64(True):
+    with float64():
         yield
-
-
-def _seed_that_balances_at_step(step: int) -> int:
-    """A seed whose balancing draw (probability 0.01) fires at ``step``."""
-    for seed in range(5000):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-        balance, _ = kron_module.fit_randomness(key, [(1,)], jnp.float64)
-        if bool(balance):
-            return seed
-    raise AssertionError("no balancing seed found")
 
 
 def _reference_run(grads_per_step, seed, b1, probability, momentum_into_fit):
@@ -87,7 +73,7 @@ def _reference_run(grads_per_step, seed, b1, probability, momentum_into_fit):
 def test_steps_match_reference(
     preconditioner_cache, b1, probability, momentum_into_fit
 ):
-    seed = _seed_that_balances_at_step(2)
+    seed = seed_that_balances_at_step(2)
     rng = np.random.default_rng(0)
     grads_per_step = [
         {k: rng.normal(size=s) * 10.0 ** rng.uniform(-2, 2) for k, s in SHAPES.items()}

@@ -8,22 +8,13 @@ import numpy as np
 import pytest
 
 import precond.jax as pj
+from tests.jax.helpers import float64, run_updates
 
 
 @pytest.fixture(autouse=True)
 def _float64():
-    with jax.enable_x64(True):
+    with float64():
         yield
-
-
-def _updates(optimizer, params, grads_per_step):
-    state = optimizer.init(params)
-    update = jax.jit(optimizer.update)
-    outputs = []
-    for grads in grads_per_step:
-        updates, state = update(grads, state)
-        outputs.append(updates)
-    return outputs, state
 
 
 def _random_grads(shapes, steps, seed=0):
@@ -59,10 +50,10 @@ def test_scanned_parameter_equals_independent_layers(lax_map):
         lax_map_batch_size=2,
         **KWARGS,
     )
-    stacked, state = _updates(
+    stacked, state = run_updates(
         scanned, {"stack": jnp.zeros((layers, m, n))}, stacked_grads
     )
-    separate, _ = _updates(
+    separate, _ = run_updates(
         pj.scale_by_kron(**KWARGS),
         {f"layer{l}": jnp.zeros((m, n)) for l in range(layers)},
         separate_grads,
@@ -91,12 +82,12 @@ def test_merged_dims_equal_kron_on_the_merged_shape():
     # (4, 2, 3, 3) under target 20: (8, 9) beats (4, 18) as the more balanced split.
     merged = {"conv": (8, 9), "vector": (5,), "matrix": (3, 4)}
     grads = _random_grads(shapes, steps=4)
-    with_merging, state = _updates(
+    with_merging, state = run_updates(
         pj.scale_by_kron(merge_small_dims=True, target_merged_dim_size=20, **KWARGS),
         {k: jnp.zeros(s) for k, s in shapes.items()},
         grads,
     )
-    reshaped, _ = _updates(
+    reshaped, _ = run_updates(
         pj.scale_by_kron(**KWARGS),
         {k: jnp.zeros(s) for k, s in merged.items()},
         [{k: g[k].reshape(merged[k]) for k in shapes} for g in grads],
