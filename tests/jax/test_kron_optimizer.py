@@ -230,6 +230,21 @@ def test_every_rank_gets_whitened_updates(shape):
     assert 0.5 < np.sqrt(np.mean(squares)) <= 1.1 + 1e-6
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"partition_grads_into_blocks": True, "block_size": 2}],
+)
+def test_parameters_with_no_entries_get_zero_updates(kwargs):
+    params = {"empty": jnp.zeros((0, 5)), "w": jnp.ones((3, 4))}
+    optimizer = pj.scale_by_kron(preconditioner_update_probability=1.0, **kwargs)
+    updates, state = jax.jit(optimizer.update)(
+        jax.tree.map(jnp.ones_like, params), optimizer.init(params)
+    )
+    assert updates["empty"].shape == (0, 5)
+    assert float(jnp.sqrt(jnp.mean(updates["w"] ** 2))) > 0.1
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
+
+
 def test_none_leaves_and_empty_trees():
     params = {"a": jnp.ones((3, 2)), "none": None, "empty": {}}
     optimizer = pj.kron()

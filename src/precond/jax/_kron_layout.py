@@ -35,7 +35,8 @@ class TensorPlan(NamedTuple):
     @property
     def blocks_per_axis(self) -> tuple[int, ...]:
         return tuple(
-            -(-d // b) for d, b in zip(self.shape, self.block_shape, strict=True)
+            -(-d // b) if b else 0
+            for d, b in zip(self.shape, self.block_shape, strict=True)
         )
 
     @property
@@ -115,9 +116,14 @@ def unit_extents(plan: TensorPlan, lead: tuple[int, ...]) -> np.ndarray:
 def plan_stacks(
     plans: Sequence[TensorPlan], shapes: Sequence[tuple]
 ) -> list[StackPlan]:
-    """Groups the units of all parameters by (block shape, factor structure)."""
+    """Groups the units of all parameters by (block shape, factor structure).
+
+    Parameters with no entries have no units and belong to no stack.
+    """
     groups: dict[tuple, list[int]] = {}
     for index, plan in enumerate(plans):
+        if math.prod(shapes[index]) == 0:
+            continue
         groups.setdefault((plan.block_shape, plan.diagonal), []).append(index)
     return [
         StackPlan(
@@ -190,7 +196,10 @@ def from_stacks(
     stacks: Sequence[StackPlan],
     leads: Sequence[tuple[int, ...]],
 ) -> list[jax.Array]:
-    """Inverse of :func:`to_stacks`: per-parameter (*lead, *shape) arrays."""
+    """Inverse of :func:`to_stacks`: per-parameter (*lead, *shape) arrays.
+
+    Parameters in no stack (no entries) get None.
+    """
     out: list[jax.Array | None] = [None] * len(plans)
     for stack, array in zip(stacks, stacked, strict=True):
         start = 0

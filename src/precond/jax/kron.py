@@ -496,8 +496,11 @@ def scale_by_kron(
             layout.from_stacks(U_stacks, plans, stacks, leads),
             grads,
             leads,
-            strict=False,
+            strict=True,
         ):
+            if U is None:  # a parameter with no entries
+                new_updates.append(jnp.zeros_like(g))
+                continue
             # RMS clip per parameter (per layer of a scanned one).
             axes = tuple(range(len(lead), U.ndim))
             rms = jnp.sqrt(jnp.mean(jnp.square(U), axis=axes, keepdims=True))
