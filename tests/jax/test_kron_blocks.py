@@ -105,12 +105,17 @@ def test_padding_is_inert():
     }
     for n, (G, updates) in enumerate(zip(grads, got), start=1):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), n)
-        balance, (V,) = kron_module.fit_randomness(key, [shape], jnp.float64)
-        G, V = np.asarray(G), np.asarray(V)
+        balance, noise_key = kron_module.fit_randomness(key)
+        G = np.asarray(G)
         U = np.zeros(shape)
         for (r, c), factors in Qs.items():
             rows, cols = chunks[0][r], chunks[1][c]
-            G_block, V_block = G[rows, cols], V[rows, cols]
+            G_block = G[rows, cols]
+            # Units are numbered in row-major block order; the noise of an edge
+            # block is the top-left corner of a full block's draw.
+            V_block = np.asarray(
+                kron_module.unit_noise(noise_key, 0, 2 * r + c, (block, block), G.dtype)
+            )[: G_block.shape[0], : G_block.shape[1]]
             if bool(balance):
                 factors = ref.balance_factors(factors)
             factors = ref.update_factors(

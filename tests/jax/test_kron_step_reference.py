@@ -1,7 +1,7 @@
 """Whole scale_by_kron steps against a float64 NumPy reference of algorithms.md §1.
 
 The reference re-draws the same noise V and balancing decision (the optimizer's
-randomness is a pure function of seed and step), then runs momentum, the factor
+randomness is a pure function of seed, step and unit), then runs momentum, the factor
 update, preconditioning and RMS clipping in NumPy.
 """
 
@@ -45,10 +45,15 @@ def _reference_run(grads_per_step, seed, b1, probability, momentum_into_fit):
         if counter >= 1 / probability:
             counter = 0
             key = jax.random.fold_in(jax.random.PRNGKey(seed), n)
-            shapes = [SHAPES[k] or (1,) for k in SHAPES]
-            balance, noises = kron_module.fit_randomness(key, shapes, jnp.float64)
-            for (k, shape), V in zip(SHAPES.items(), noises):
-                V = np.asarray(V)
+            balance, noise_key = kron_module.fit_randomness(key)
+            # Leaf order is the sorted order of SHAPES' keys; each parameter is
+            # one unit.
+            for leaf, (k, shape) in enumerate(sorted(SHAPES.items())):
+                V = np.asarray(
+                    kron_module.unit_noise(
+                        noise_key, leaf, 0, shape or (1,), jnp.float64
+                    )
+                )
                 target = mu_hat[k] if momentum_into_fit else grads[k]
                 target = target.reshape(shape or (1,))
                 if bool(balance) and len(Qs[k]) > 1:

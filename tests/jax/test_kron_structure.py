@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 import precond.jax as pj
-from tests.jax.helpers import float64, run_updates
+from tests.jax.helpers import (
+    float64,
+    kron_module,
+    run_updates,
+    seed_that_balances_at_step,
+)
+from tests.reference import kron_reference as ref
 
 
 @pytest.fixture(autouse=True)
@@ -34,36 +40,42 @@ KWARGS = dict(precond_dtype=jnp.float64, preconditioner_update_probability=0.5)
 
 @pytest.mark.parametrize("lax_map", [False, True])
 def test_scanned_parameter_equals_independent_layers(lax_map):
-    """A (L, m, n) parameter marked scanned = L separate (m, n) parameters.
-
-    The noise is one draw sliced in leaf order, so layer l of the stack sees the same
-    V as the l-th separate parameter: the runs agree to rounding.
-    """
-    layers, m, n = 3, 5, 4
-    stacked_grads = _random_grads({"stack": (layers, m, n)}, steps=4)
-    separate_grads = [
-        {f"layer{l}": g["stack"][l] for l in range(layers)} for g in stacked_grads
-    ]
+    """Layer l of a scanned (L, m, n) parameter = a lone (m, n) parameter fitted by
+    the float64 reference with that layer's noise (unit l of parameter 0): every
+    layer has its own factors, momentum bias correction and RMS clip."""
+    layers, m, n, b1 = 3, 5, 4, 0.9
+    seed = seed_that_balances_at_step(2)
+    grads = _random_grads({"stack": (layers, m, n)}, steps=4)
     scanned = pj.scale_by_kron(
+        b1=b1,
         scanned_layers={"stack": True},
         lax_map_scanned_layers=lax_map,
         lax_map_batch_size=2,
+        seed=seed,
         **KWARGS,
     )
-    stacked, state = run_updates(
-        scanned, {"stack": jnp.zeros((layers, m, n))}, stacked_grads
-    )
-    separate, _ = run_updates(
-        pj.scale_by_kron(**KWARGS),
-        {f"layer{l}": jnp.zeros((m, n)) for l in range(layers)},
-        separate_grads,
-    )
-    for got, want in zip(stacked, separate):
-        for l in range(layers):
-            np.testing.assert_allclose(
-                got["stack"][l], want[f"layer{l}"], rtol=1e-12, atol=1e-15
-            )
+    got, state = run_updates(scanned, {"stack": jnp.zeros((layers, m, n))}, grads)
     assert _factor_shapes(state) == [(layers, m + 1, m), (layers, n + 1, n)]
+
+    for l in range(layers):
+        Qs, mu, counter = [np.eye(m), np.eye(n)], np.zeros((m, n)), 0
+        for step, (g, updates) in enumerate(zip(grads, got), start=1):
+            mu = b1 * mu + (1 - b1) * np.asarray(g["stack"][l])
+            mu_hat = mu / (1 - b1**step)
+            counter += 1
+            if counter >= 1 / KWARGS["preconditioner_update_probability"]:
+                counter = 0
+                key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+                balance, noise_key = kron_module.fit_randomness(key)
+                V = np.asarray(
+                    kron_module.unit_noise(noise_key, 0, l, (m, n), jnp.float64)
+                )
+                if bool(balance):
+                    Qs = ref.balance_factors(Qs)
+                Qs = ref.update_factors(Qs, ref.add_damping_noise(mu_hat, V), V, 0.1)
+            U = ref.precondition(Qs, mu_hat)
+            U = U / max(1.0, np.sqrt(np.mean(U**2)) / 1.1)
+            np.testing.assert_allclose(updates["stack"][l], U, rtol=1e-10, atol=1e-14)
 
 
 def test_scanned_layers_accepts_a_callable():

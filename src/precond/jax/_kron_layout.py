@@ -8,7 +8,9 @@ their preconditioners (fewer, larger kernels; one place to shard the work).
 
 Blocks on the edge are zero-padded to the full block shape. Kernels receive each
 unit's valid extent per axis so that padding stays inert: padded rows never get
-noise, never count in damping or balancing, and never touch the real part.
+noise, never count in damping or balancing, and never touch the real part. When a
+stack is split over devices, it is padded with empty units (extent 0) to a multiple
+of the number of shards.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from precond._common.factor_plan import merge_dims, plan_diagonal_axes
+
+# Parameter index of the empty units that pad a stack to a multiple of the shards.
+PADDING_UNIT = np.iinfo(np.int32).max
 
 
 class TensorPlan(NamedTuple):
@@ -58,6 +63,14 @@ class StackPlan(NamedTuple):
     diagonal: tuple[bool, ...]
     members: tuple[int, ...]  # indices of the parameters whose units it holds, in order
     extents: np.ndarray  # (units, ndim) int32: valid size of each unit along each axis
+    unit_ids: np.ndarray  # (units, 2) int32: (parameter index, unit index within it);
+    # the noise of a unit is drawn from these, so it is the same however the stack is
+    # split; empty padding units get (PADDING_UNIT, i)
+
+    @property
+    def real_units(self) -> int:
+        """Units that hold parameter entries (the rest is padding for sharding)."""
+        return int(np.sum(self.unit_ids[:, 0] != PADDING_UNIT))
 
 
 def plan_tensor(
@@ -114,28 +127,40 @@ def unit_extents(plan: TensorPlan, lead: tuple[int, ...]) -> np.ndarray:
 
 
 def plan_stacks(
-    plans: Sequence[TensorPlan], shapes: Sequence[tuple]
+    plans: Sequence[TensorPlan], shapes: Sequence[tuple], units_multiple_of: int = 1
 ) -> list[StackPlan]:
     """Groups the units of all parameters by (block shape, factor structure).
 
-    Parameters with no entries have no units and belong to no stack.
+    Parameters with no entries have no units and belong to no stack. Each stack
+    is padded with empty units to a multiple of ``units_multiple_of``.
     """
     groups: dict[tuple, list[int]] = {}
     for index, plan in enumerate(plans):
         if math.prod(shapes[index]) == 0:
             continue
         groups.setdefault((plan.block_shape, plan.diagonal), []).append(index)
-    return [
-        StackPlan(
-            block_shape,
-            diagonal,
-            tuple(members),
-            np.concatenate(
-                [unit_extents(plans[i], plans[i].lead(shapes[i])) for i in members]
-            ),
+    stacks = []
+    for (block_shape, diagonal), members in groups.items():
+        extents = [unit_extents(plans[i], plans[i].lead(shapes[i])) for i in members]
+        ids = [
+            np.stack([np.full(len(e), i), np.arange(len(e))], axis=1)
+            for i, e in zip(members, extents, strict=True)
+        ]
+        padding = -sum(map(len, extents)) % units_multiple_of
+        extents.append(np.zeros((padding, len(block_shape)), np.int32))
+        ids.append(
+            np.stack([np.full(padding, PADDING_UNIT), np.arange(padding)], axis=1)
         )
-        for (block_shape, diagonal), members in groups.items()
-    ]
+        stacks.append(
+            StackPlan(
+                block_shape,
+                diagonal,
+                tuple(members),
+                np.concatenate(extents).astype(np.int32),
+                np.concatenate(ids).astype(np.int32),
+            )
+        )
+    return stacks
 
 
 def to_units(x: jax.Array, plan: TensorPlan) -> jax.Array:
@@ -181,13 +206,18 @@ def to_stacks(
     plans: Sequence[TensorPlan],
     stacks: Sequence[StackPlan],
 ) -> list[jax.Array]:
-    """Per-parameter (*lead, *shape) arrays → one (units, *block_shape) per stack."""
-    return [
-        jnp.concatenate([to_units(tensors[i], plans[i]) for i in stack.members])
-        if len(stack.members) > 1
-        else to_units(tensors[stack.members[0]], plans[stack.members[0]])
-        for stack in stacks
-    ]
+    """Per-parameter (*lead, *shape) arrays → one (units, *block_shape) per stack.
+
+    Padding units are zeros.
+    """
+    stacked = []
+    for stack in stacks:
+        parts = [to_units(tensors[i], plans[i]) for i in stack.members]
+        padding = len(stack.extents) - stack.real_units
+        if padding:
+            parts.append(jnp.zeros((padding, *stack.block_shape), parts[0].dtype))
+        stacked.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+    return stacked
 
 
 def from_stacks(

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from precond._common.factor_plan import MEMORY_SAVE_MODES
 from precond._common.validation import (
@@ -28,6 +29,7 @@ from precond._common.validation import (
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
 from precond.jax._kron_layout import StackPlan, TensorPlan
+from precond.jax._kron_sharding import ShardingPlan, per_parameter, plan_sharding
 
 # Precision names accepted by jax.default_matmul_precision.
 MATMUL_PRECISIONS = (
@@ -102,24 +104,31 @@ def precond_update_prob_schedule(
     return schedule
 
 
-def fit_randomness(
-    key: jax.Array, shapes: list[tuple[int, ...]], dtype: Any
-) -> tuple[jax.Array, list[jax.Array]]:
-    """The random draws of one factor update: whether to balance, and V per tensor.
+def fit_randomness(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The random draws of one factor update: whether to balance, and the noise key.
 
-    ``key`` is ``fold_in(PRNGKey(seed), n)`` at step n. One normal draw covers all
-    tensors (in pytree-leaf order), since a generator per tensor compiles slowly.
+    ``key`` is ``fold_in(PRNGKey(seed), n)`` at step n. The noise V of each unit is
+    drawn by :func:`unit_noise` from the noise key.
     """
     balance_key, noise_key = jax.random.split(key)
-    balance = jax.random.uniform(balance_key) < BALANCE_PROBABILITY
-    sizes = [int(np.prod(shape)) for shape in shapes]
-    noise = jax.random.normal(noise_key, (sum(sizes),), dtype)
-    offsets = np.cumsum([0, *sizes])
-    noises = [
-        noise[offsets[i] : offsets[i + 1]].reshape(shape)
-        for i, shape in enumerate(shapes)
-    ]
-    return balance, noises
+    return jax.random.uniform(balance_key) < BALANCE_PROBABILITY, noise_key
+
+
+def unit_noise(
+    noise_key: jax.Array,
+    parameter: jax.Array | int,
+    unit: jax.Array | int,
+    block_shape: tuple[int, ...],
+    dtype: Any,
+) -> jax.Array:
+    """V ~ N(0, I) of one unit: unit ``unit`` (layer-major, then blocks in row-major
+    order) of the parameter with leaf index ``parameter``.
+
+    Keyed by the unit's identity, not its place in a stack, so that the draw is the
+    same on any number of devices, and every device draws only its own units.
+    """
+    key = jax.random.fold_in(jax.random.fold_in(noise_key, parameter), unit)
+    return jax.random.normal(key, block_shape, dtype)
 
 
 def _validate(
@@ -138,6 +147,8 @@ def _validate(
     lax_map_batch_size,
     target_merged_dim_size,
     block_size,
+    preconditioner_partition_spec,
+    mesh,
     preconditioner_cache,
     seed,
 ) -> None:
@@ -169,6 +180,17 @@ def _validate(
     check_int("lax_map_batch_size", lax_map_batch_size, low=1)
     check_int("target_merged_dim_size", target_merged_dim_size, low=1)
     check_int("block_size", block_size, low=1)
+    if preconditioner_partition_spec is not None and not isinstance(
+        preconditioner_partition_spec, PartitionSpec
+    ):
+        raise ValueError(
+            f"Invalid preconditioner_partition_spec={preconditioner_partition_spec!r}:"
+            " must be a jax.sharding.PartitionSpec or None"
+        )
+    if mesh is not None and not isinstance(
+        mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh
+    ):
+        raise ValueError(f"Invalid mesh={mesh!r}: must be a jax.sharding.Mesh or None")
     check_choice("preconditioner_cache", preconditioner_cache, PRECONDITIONER_CACHES)
     check_int("seed", seed)
 
@@ -206,7 +228,10 @@ def scale_by_kron(
     target_merged_dim_size: int = 2048,
     partition_grads_into_blocks: bool = False,
     block_size: int = 256,
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
     *,
+    mesh: jax.sharding.Mesh | None = None,
     preconditioner_cache: str | None = "packed",
     seed: int = 42,
 ) -> optax.GradientTransformationExtraArgs:
@@ -263,6 +288,24 @@ def scale_by_kron(
             blocks (the last one zero-padded), each with its own factors. Padding
             is inert: it gets no noise and never changes the real part.
         block_size: block length along each partitioned axis.
+        params_partition_specs: a PartitionSpec per parameter (a pytree like the
+            params; None entries mean replicated; for flax boxed params, one per
+            box as ``nn.get_partition_spec`` gives). Momentum and updates are
+            kept sharded like their parameter. Without it, specs are read from
+            boxed params (``nn.Partitioned``) or from the params' types on an
+            explicit mesh; when none is known, sharding is left to XLA.
+        preconditioner_partition_spec: PartitionSpec whose mesh axes split the
+            factor state, e.g. ``P('fsdp', None)`` or ``P('fsdp', 'tp')``. Kron
+            keeps the factors of equal-shaped blocks in stacks and splits each
+            stack along its leading (unit) axis over all the axes named here
+            (padding it with empty units to a multiple of their size), so each
+            device holds and fits whole factors of 1/N of the blocks and the
+            kernels never communicate. Default: every mesh axis that shards a
+            parameter. Use ``partition_grads_into_blocks`` so that large layers
+            give many units to spread.
+        mesh: the mesh that the partition specs refer to. Default: the context
+            mesh (``with jax.set_mesh(mesh):``) or, on an explicit mesh, the one
+            in the params' types.
         preconditioner_cache: how each triangular factor keeps P_i = Q_iᵀQ_i for
             the steps between factor updates. ``'packed'`` (default) stores it in
             Q_i's unused lower triangle plus one row (d more numbers per d×d
@@ -270,7 +313,8 @@ def scale_by_kron(
             memory, no unpacking: the fastest steps); None stores Q_i alone, as
             distributed-kron does, and applies Q_iᵀ(Q_i·) (twice the matmuls).
         seed: seed of the noise and balancing decisions, which are drawn from
-            ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly.
+            ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly,
+            and on any mesh (see :func:`unit_noise`).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -291,6 +335,8 @@ def scale_by_kron(
         lax_map_batch_size=lax_map_batch_size,
         target_merged_dim_size=target_merged_dim_size,
         block_size=block_size,
+        preconditioner_partition_spec=preconditioner_partition_spec,
+        mesh=mesh,
         preconditioner_cache=preconditioner_cache,
         seed=seed,
     )
@@ -298,21 +344,15 @@ def scale_by_kron(
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
 
-    def plan_tree(tree) -> tuple[Any, list[TensorPlan], list[StackPlan]]:
-        """The treedef of ``tree``, a plan per leaf, and the stacks of their units."""
+    def plan_tree(tree) -> tuple[Any, list[TensorPlan], list[StackPlan], ShardingPlan]:
+        """The treedef of ``tree``, a plan per leaf, the stacks of their units, and
+        where they live on the mesh."""
         leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         flags = scanned_layers(tree) if callable(scanned_layers) else scanned_layers
         if flags is None:
             flags = [False] * len(leaves_with_paths)
         else:
-            try:
-                flags = treedef.flatten_up_to(flags)
-            except (ValueError, TypeError) as error:
-                raise ValueError(
-                    "Invalid scanned_layers: must have the structure of the params "
-                    f"({treedef}), with a bool per parameter; got "
-                    f"{jax.tree.structure(flags)}"
-                ) from error
+            flags = per_parameter(flags, tree, "scanned_layers")
         plans = [
             layout.plan_tensor(
                 x.shape,
@@ -327,8 +367,30 @@ def scale_by_kron(
             )
             for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
         ]
+        sharding = plan_sharding(
+            tree,
+            params_partition_specs=params_partition_specs,
+            preconditioner_partition_spec=preconditioner_partition_spec,
+            mesh=mesh,
+        )
         shapes = [x.shape for _, x in leaves_with_paths]
-        return treedef, plans, layout.plan_stacks(plans, shapes)
+        stacks = layout.plan_stacks(plans, shapes, units_multiple_of=sharding.shards)
+        return treedef, plans, stacks, sharding
+
+    def state_specs(treedef, stacks, sharding: ShardingPlan) -> KronState:
+        """The PartitionSpec of every leaf of the state."""
+        param_specs = sharding.param_specs
+        if param_specs is None:
+            param_specs = [PartitionSpec()] * treedef.num_leaves
+        return KronState(
+            count=PartitionSpec(),
+            mu=treedef.unflatten(param_specs) if keep_momentum else None,
+            preconditioners=tuple(
+                tuple(sharding.stack_spec for _ in stack.block_shape)
+                for stack in stacks
+            ),
+            update_counter=PartitionSpec(),
+        )
 
     def stored(Q: jax.Array) -> jax.Array:
         """The state array of a triangular factor, in the chosen cache layout."""
@@ -350,7 +412,7 @@ def scale_by_kron(
             return F * F
         return km.unpack_gram(F) if preconditioner_cache == "packed" else F[1]
 
-    def init_stack(stack: StackPlan) -> tuple[jax.Array, ...]:
+    def init_stack(stack: StackPlan, sharding: ShardingPlan) -> tuple[jax.Array, ...]:
         """Factors of every unit of a stack: s^{1/k}·I (or s^{1/k}·1) per axis."""
         units = len(stack.extents)
         scale = jnp.asarray(preconditioner_init_scale, precond_dtype) ** (
@@ -362,30 +424,58 @@ def scale_by_kron(
                 factor = scale * jnp.ones((size,), precond_dtype)
             else:
                 factor = stored(scale * jnp.eye(size, dtype=precond_dtype))
-            factors.append(jnp.broadcast_to(factor, (units, *factor.shape)))
+            factor = jnp.broadcast_to(factor, (units, *factor.shape))
+            factors.append(sharding.constrain(factor, sharding.stack_spec))
         return tuple(factors)
 
     def init_fn(params: optax.Params) -> KronState:
-        _, _, stacks = plan_tree(params)
-        mu = None
-        if keep_momentum:
-            mu = jax.tree.map(
-                lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
+        treedef, _, stacks, sharding = plan_tree(params)
+
+        def body(params):
+            mu = None
+            if keep_momentum:
+                mu = treedef.unflatten(
+                    sharding.constrain_params(
+                        [
+                            jnp.zeros_like(p, dtype=mu_dtype or p.dtype)
+                            for p in jax.tree.leaves(params)
+                        ]
+                    )
+                )
+            return KronState(
+                count=jnp.zeros([], jnp.int32),
+                mu=mu,
+                preconditioners=tuple(init_stack(s, sharding) for s in stacks),
+                update_counter=jnp.zeros([], jnp.int32),
             )
-        return KronState(
-            count=jnp.zeros([], jnp.int32),
-            mu=mu,
-            preconditioners=tuple(init_stack(stack) for stack in stacks),
-            update_counter=jnp.zeros([], jnp.int32),
+
+        return sharding.run(
+            body, lambda _: state_specs(treedef, stacks, sharding), params
         )
 
-    def over_units(fn: Callable, *stacked):
-        """``fn`` applied to every unit of a stack (vmap, or lax.map in batches)."""
-        if lax_map_scanned_layers:
-            return jax.lax.map(
-                lambda xs: fn(*xs), stacked, batch_size=lax_map_batch_size
-            )
-        return jax.vmap(fn)(*stacked)
+    def over_units(fn: Callable, sharding: ShardingPlan, *stacked):
+        """``fn`` applied to every unit of a stack (vmap, or lax.map in batches).
+
+        A sharded stack is mapped shard by shard (a vmap over the shards of a
+        lax.map over each shard's units), so that no device waits on another.
+        """
+        if not lax_map_scanned_layers:
+            return jax.vmap(fn)(*stacked)
+        shards = sharding.shards
+
+        def local_map(*xs):
+            return jax.lax.map(lambda xs: fn(*xs), xs, batch_size=lax_map_batch_size)
+
+        if shards == 1:
+            return local_map(*stacked)
+        split = jax.tree.map(
+            lambda x: sharding.constrain(
+                x.reshape(shards, -1, *x.shape[1:]), sharding.stack_spec
+            ),
+            stacked,
+        )
+        out = jax.vmap(local_map)(*split)
+        return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
 
     def precondition_unit(factors, G):
         """U = P·G for one unit."""
@@ -393,48 +483,95 @@ def scale_by_kron(
             return km.precondition(factors, G)
         return km.precondition_with_grams([gram_of(F) for F in factors], G)
 
-    def fit_unit(factors, G, V, extent, balance):
+    def fit_unit(factors, G, ids, extent, noise_key, balance):
         """One factor update of one unit from (G + damping noise, V).
 
         ``extent`` is the unit's real size per axis: padding beyond it holds zeros
-        in G and V and is kept out of the damping scale and the balancing norms.
+        in G, gets no noise, and is kept out of the damping scale and the
+        balancing norms.
         """
         valid = [jnp.arange(size) < extent[i] for i, size in enumerate(G.shape)]
+        inside = functools.reduce(
+            jnp.logical_and,
+            [
+                v.reshape([-1 if a == i else 1 for a in range(G.ndim)])
+                for i, v in enumerate(valid)
+            ],
+        )
+        V = unit_noise(noise_key, ids[0], ids[1], G.shape, G.dtype)
+        V = jnp.where(inside, V, 0)
         Qs = [factor_of(F) for F in factors]
         if len(Qs) > 1:
             balanced = km.balance_factors(Qs, valid)
             Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs, strict=True)]
-        G = km.add_damping_noise(G, V, jnp.prod(extent))
+        G = km.add_damping_noise(G, V, jnp.maximum(jnp.prod(extent), 1))
         Qs = km.update_factors(Qs, G, V, preconditioner_lr)
         return tuple(Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs)
 
-    def fit_stacks(stacks, all_factors, G_stacks, V_stacks, balance):
+    def fit_stacks(stacks, sharding, all_factors, G_stacks, key):
         """One factor update of every unit (the 'update' branch of step 2)."""
+        balance, noise_key = fit_randomness(key)
         new_factors = []
-        for stack, factors, G, V in zip(
-            stacks, all_factors, G_stacks, V_stacks, strict=True
-        ):
+        for stack, factors, G in zip(stacks, all_factors, G_stacks, strict=True):
             with jax.named_scope("precond/kron/update_factors"):
-                fit = functools.partial(fit_unit, balance=balance)
-                extents = jnp.asarray(stack.extents)
-                new_factors.append(over_units(fit, tuple(factors), G, V, extents))
+                fit = functools.partial(fit_unit, noise_key=noise_key, balance=balance)
+                ids = sharding.constrain(
+                    jnp.asarray(stack.unit_ids), sharding.stack_spec
+                )
+                extents = sharding.constrain(
+                    jnp.asarray(stack.extents), sharding.stack_spec
+                )
+                fitted = over_units(fit, sharding, tuple(factors), G, ids, extents)
+                new_factors.append(
+                    tuple(sharding.constrain(F, sharding.stack_spec) for F in fitted)
+                )
         return tuple(new_factors)
+
+    def check_state_layout(state: KronState, stacks: list[StackPlan]) -> None:
+        want = [len(stack.extents) for stack in stacks]
+        got = [factors[0].shape[0] for factors in state.preconditioners]
+        if want != got:
+            raise ValueError(
+                "The Kron state does not fit these gradients on this mesh: its stacks "
+                f"hold {got} units, the gradients need {want}. Call init with params "
+                "of the same structure, under the same mesh and partition specs, as "
+                "update."
+            )
 
     def update_fn(updates, state: KronState, params=None, **extra_args):
         del params, extra_args
-        grads = jax.tree.leaves(updates)
-        if not grads:
+        if not jax.tree.leaves(updates):
             return updates, state._replace(count=_saturating_increment(state.count))
+        treedef, plans, stacks, sharding = plan_tree(updates)
+        check_state_layout(state, stacks)
+
+        def body(updates, state):
+            return sharded_update(updates, state, treedef, plans, stacks, sharding)
+
+        return sharding.run(
+            body,
+            lambda _: (
+                treedef.unflatten(
+                    sharding.param_specs or [PartitionSpec()] * treedef.num_leaves
+                ),
+                state_specs(treedef, stacks, sharding),
+            ),
+            updates,
+            state,
+        )
+
+    def sharded_update(updates, state, treedef, plans, stacks, sharding):
+        grads = sharding.constrain_params(jax.tree.leaves(updates))
         # A step with a NaN/Inf gradient keeps the old state and returns zeros. The
         # guard is fused into the elementwise work (no whole-state select or cond).
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
-        treedef, plans, stacks = plan_tree(updates)
         count = jnp.where(finite, _saturating_increment(state.count), state.count)
         if keep_momentum:
             mus = [
                 jnp.where(finite, b1 * m + (1 - b1) * g, m).astype(m.dtype)
                 for m, g in zip(treedef.flatten_up_to(state.mu), grads, strict=True)
             ]
+            mus = sharding.constrain_params(mus)
             mu_hats = []
             for m in mus:
                 dtype = jnp.promote_types(m.dtype, jnp.float32)
@@ -457,26 +594,34 @@ def scale_by_kron(
         # Views of shape (layers?, *merged shape) in the factors' dtype.
         leads = [plan.lead(g.shape) for plan, g in zip(plans, grads, strict=True)]
 
-        def views(tensors):
-            return [
+        def stacked(tensors):
+            views = [
                 x.reshape(lead + plan.shape).astype(precond_dtype)
                 for x, plan, lead in zip(tensors, plans, leads, strict=True)
             ]
+            # Gathered whole first: the SPMD partitioner moves a sharded tensor into
+            # blocks only by full rematerialisation, and gathering is cheaper and
+            # predictable (see BENCHMARKS.md, kron_sharded).
+            views = [sharding.constrain(v, PartitionSpec()) for v in views]
+            return [
+                sharding.constrain(x, sharding.stack_spec)
+                for x in layout.to_stacks(views, plans, stacks)
+            ]
 
-        def fit(all_factors):
-            fit_targets = mu_hats if momentum_into_precond_update else grads
+        mu_hat_stacks = stacked(mu_hats)
+
+        def fit(all_factors, mu_hat_stacks):
+            targets = mu_hat_stacks if momentum_into_precond_update else stacked(grads)
             key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
-            targets = views(fit_targets)
-            balance, noises = fit_randomness(
-                key, [x.shape for x in targets], precond_dtype
-            )
-            G_stacks = layout.to_stacks(targets, plans, stacks)
-            V_stacks = layout.to_stacks(noises, plans, stacks)
-            return fit_stacks(stacks, all_factors, G_stacks, V_stacks, balance)
+            return fit_stacks(stacks, sharding, all_factors, targets, key)
 
         with _matmul_precision(precond_update_precision):
             all_factors = jax.lax.cond(
-                do_update, fit, lambda f: tuple(f), state.preconditioners
+                do_update,
+                fit,
+                lambda factors, _: tuple(factors),
+                state.preconditioners,
+                mu_hat_stacks,
             )
 
         with (
@@ -484,16 +629,21 @@ def scale_by_kron(
             jax.named_scope("precond/kron/precondition"),
         ):
             U_stacks = [
-                over_units(precondition_unit, tuple(factors), G)
-                for factors, G in zip(
-                    all_factors,
-                    layout.to_stacks(views(mu_hats), plans, stacks),
-                    strict=True,
+                sharding.constrain(
+                    over_units(precondition_unit, sharding, tuple(factors), G),
+                    sharding.stack_spec,
                 )
+                for factors, G in zip(all_factors, mu_hat_stacks, strict=True)
             ]
         new_updates = []
         for U, g, lead in zip(
-            layout.from_stacks(U_stacks, plans, stacks, leads),
+            layout.from_stacks(
+                # Gathered, then cut to each parameter's sharding locally.
+                [sharding.constrain(U, PartitionSpec()) for U in U_stacks],
+                plans,
+                stacks,
+                leads,
+            ),
             grads,
             leads,
             strict=True,
@@ -513,7 +663,10 @@ def scale_by_kron(
             preconditioners=all_factors,
             update_counter=update_counter,
         )
-        return treedef.unflatten(new_updates), new_state
+        return (
+            treedef.unflatten(sharding.constrain_params(new_updates)),
+            new_state,
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -544,7 +697,10 @@ def kron(
     target_merged_dim_size: int = 2048,
     partition_grads_into_blocks: bool = False,
     block_size: int = 256,
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
     *,
+    mesh: jax.sharding.Mesh | None = None,
     preconditioner_cache: str | None = "packed",
     seed: int = 42,
 ) -> optax.GradientTransformationExtraArgs:
@@ -589,6 +745,9 @@ def kron(
             target_merged_dim_size=target_merged_dim_size,
             partition_grads_into_blocks=partition_grads_into_blocks,
             block_size=block_size,
+            params_partition_specs=params_partition_specs,
+            preconditioner_partition_spec=preconditioner_partition_spec,
+            mesh=mesh,
             preconditioner_cache=preconditioner_cache,
             seed=seed,
         )

@@ -1,0 +1,217 @@
+"""Where Kron's state and work live on a device mesh.
+
+Momentum follows its parameter. Preconditioner factors live in stacks of equal
+units (see ``_kron_layout``), and every stack is split along its unit axis over
+the *unit axes* of the mesh, so that each device holds and fits about 1/N of the
+factors and a unit's kernels never communicate. The unit axes are the mesh axes
+named in ``preconditioner_partition_spec``, or else every mesh axis that shards a
+parameter.
+
+Parameter shardings come, in this order, from ``params_partition_specs``, from
+boxed parameters (flax ``nn.Partitioned``), or from the parameters' types (explicit
+meshes, where ``jax.typeof(x).sharding`` carries them); the mesh from the ``mesh``
+argument, the context mesh (``jax.set_mesh``) or the parameters' shardings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+
+class ShardingPlan(NamedTuple):
+    """How one call of Kron's init or update places arrays on the mesh."""
+
+    mesh: Any  # jax.sharding.Mesh or AbstractMesh; None without a mesh
+    param_specs: tuple | None  # a PartitionSpec per parameter leaf; None: not known
+    unit_axes: tuple[str, ...]  # mesh axes that split the unit axis of every stack
+    explicit: bool  # the mesh has Explicit axes: the body runs under auto_axes
+
+    @property
+    def shards(self) -> int:
+        """Number of pieces each stack is split into."""
+        if self.mesh is None:
+            return 1
+        return math.prod(self.mesh.shape[axis] for axis in self.unit_axes)
+
+    @property
+    def stack_spec(self) -> PartitionSpec:
+        """Spec of a stack of units (units, ...): split along the unit axis."""
+        if not self.unit_axes:
+            return PartitionSpec()
+        axes = self.unit_axes
+        return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+
+    def constrain(self, x: jax.Array, spec: PartitionSpec | None) -> jax.Array:
+        """``x`` with the sharding ``spec`` (a no-op without a mesh or spec)."""
+        if self.mesh is None or spec is None:
+            return x
+        if jax.sharding.get_abstract_mesh().empty:
+            # No context mesh: name the mesh (a concrete one, from the mesh
+            # argument or the parameters' shardings).
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, spec)
+
+    def constrain_params(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        """Each leaf with the sharding of its parameter."""
+        if self.param_specs is None:
+            return list(leaves)
+        return [
+            self.constrain(x, spec)
+            for x, spec in zip(leaves, self.param_specs, strict=True)
+        ]
+
+    def run(self, body: Callable, out_specs: Callable[[Any], Any], *args):
+        """``body(*args)``; on an explicit mesh, under ``auto_axes`` so that its
+        internal sharding constraints apply, with outputs sharded by
+        ``out_specs(outputs)`` (a pytree of PartitionSpecs)."""
+        if not self.explicit:
+            return body(*args)
+        shapes = jax.eval_shape(body, *args)
+        return jax.sharding.auto_axes(body, out_sharding=out_specs(shapes))(*args)
+
+
+def is_box(node: Any) -> bool:
+    """A flax-style box around one parameter (``nn.Partitioned`` and kin)."""
+    return hasattr(node, "unbox") and hasattr(node, "get_partition_spec")
+
+
+def per_parameter(option: Any, params: Any, name: str) -> list:
+    """``option`` (a pytree like ``params``) as one entry per parameter leaf.
+
+    ``option`` may have the structure of ``params`` with an entry per leaf, or, for
+    boxed params (flax ``nn.Partitioned``), an entry per box, as
+    ``nn.get_partition_spec`` returns.
+    """
+    treedef = jax.tree.structure(params)
+    is_spec_leaf = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
+    try:
+        return treedef.flatten_up_to(option)
+    except (ValueError, TypeError):
+        pass
+    boxes, box_treedef = jax.tree.flatten(params, is_leaf=is_box)
+    try:
+        entries = box_treedef.flatten_up_to(option)
+    except (ValueError, TypeError):
+        entries = None
+    if entries is None or any(len(jax.tree.leaves(box)) != 1 for box in boxes):
+        raise ValueError(
+            f"Invalid {name}: must have the structure of the params ({treedef}), "
+            f"with one entry per parameter; got "
+            f"{jax.tree.structure(option, is_leaf=is_spec_leaf)}"
+        )
+    return entries
+
+
+def _typed_sharding(x: Any) -> NamedSharding | None:
+    """The sharding in ``x``'s type (explicit meshes only; the same in and out of
+    ``jit``, unlike a concrete array's ``.sharding``)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+        return sharding
+    return None
+
+
+def _mesh_from_leaves(leaves: Sequence[Any]) -> Any:
+    for x in leaves:
+        sharding = _typed_sharding(x)
+        if sharding is not None:
+            return sharding.mesh
+    return None
+
+
+def _specs_from_leaves(leaves: Sequence[Any]) -> tuple | None:
+    """Each leaf's spec from its type, or None if some leaf's type has none."""
+    shardings = [_typed_sharding(x) for x in leaves]
+    if any(s is None for s in shardings):
+        return None
+    return tuple(s.spec for s in shardings)
+
+
+def _mesh_axes(spec: PartitionSpec) -> list[str]:
+    axes = []
+    for entry in spec:
+        if entry is None:
+            continue
+        axes.extend(entry if isinstance(entry, tuple) else (entry,))
+    return axes
+
+
+def check_spec(spec: Any, mesh: Any, name: str, ndim: int | None = None) -> None:
+    """A clear error unless ``spec`` is a PartitionSpec valid on ``mesh``."""
+    if not isinstance(spec, PartitionSpec):
+        raise ValueError(f"Invalid {name}={spec!r}: must be a PartitionSpec")
+    axes = _mesh_axes(spec)
+    unknown = [axis for axis in axes if axis not in mesh.axis_names]
+    if unknown:
+        raise ValueError(
+            f"Invalid {name}={spec}: names mesh axes {unknown} that are not in the "
+            f"mesh, whose axes are {tuple(mesh.axis_names)}"
+        )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"Invalid {name}={spec}: names a mesh axis twice")
+    if ndim is not None and len(spec) > ndim:
+        raise ValueError(
+            f"Invalid {name}={spec}: has {len(spec)} entries for an array with "
+            f"{ndim} dims"
+        )
+
+
+def plan_sharding(
+    params: Any,
+    *,
+    params_partition_specs: Any,
+    preconditioner_partition_spec: PartitionSpec | None,
+    mesh: Any,
+) -> ShardingPlan:
+    """Resolves the mesh, every parameter's spec and the unit axes (see module)."""
+    leaves, treedef = jax.tree.flatten(params)
+    if mesh is None and not jax.sharding.get_abstract_mesh().empty:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None:
+        mesh = _mesh_from_leaves(leaves)
+    if params_partition_specs is not None:
+        specs = per_parameter(params_partition_specs, params, "params_partition_specs")
+        specs = tuple(PartitionSpec() if s is None else s for s in specs)
+    elif any(is_box(node) for node in jax.tree.leaves(params, is_leaf=is_box)):
+        specs = tuple(
+            node.get_partition_spec() if is_box(node) else PartitionSpec()
+            for node in jax.tree.leaves(params, is_leaf=is_box)
+        )
+    else:
+        specs = _specs_from_leaves(leaves) if mesh is not None else None
+    needs_mesh = params_partition_specs is not None or (
+        preconditioner_partition_spec is not None
+    )
+    if mesh is None:
+        if needs_mesh:
+            raise ValueError(
+                "params_partition_specs and preconditioner_partition_spec need a "
+                "mesh: call init and update under `with jax.set_mesh(mesh):`, or "
+                "pass mesh=... to kron"
+            )
+        return ShardingPlan(None, None, (), explicit=False)
+    if specs is not None:
+        for spec, x, path in zip(
+            specs, leaves, _leaf_paths(treedef, len(leaves)), strict=True
+        ):
+            check_spec(spec, mesh, f"params_partition_specs{path}", ndim=x.ndim)
+    if preconditioner_partition_spec is not None:
+        check_spec(preconditioner_partition_spec, mesh, "preconditioner_partition_spec")
+        unit_axes = tuple(_mesh_axes(preconditioner_partition_spec))
+    elif specs is not None:
+        used = {axis for spec in specs for axis in _mesh_axes(spec)}
+        unit_axes = tuple(axis for axis in mesh.axis_names if axis in used)
+    else:
+        unit_axes = ()
+    explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    return ShardingPlan(mesh, specs, unit_axes, explicit)
+
+
+def _leaf_paths(treedef: Any, count: int) -> list[str]:
+    paths = jax.tree_util.tree_flatten_with_path(treedef.unflatten([0] * count))[0]
+    return [jax.tree_util.keystr(path) for path, _ in paths]
