@@ -1,12 +1,14 @@
 """precond's JAX optimizers, as optax gradient transformations.
 
-``kron`` / ``scale_by_kron`` (PSGD Kron) and its update-probability schedule.
+``kron`` / ``scale_by_kron`` (PSGD Kron), its update-probability schedule and
+``get_opt_state_partition_specs``.
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
 from precond.jax.kron import (
     KRON_STATIC_ARGS,
     KronState,
+    get_opt_state_partition_specs,
     kron,
     precond_update_prob_schedule,
     scale_by_kron,
@@ -15,6 +17,7 @@ from precond.jax.kron import (
 __all__ = [
     "KRON_STATIC_ARGS",
     "KronState",
+    "get_opt_state_partition_specs",
     "kron",
     "precond_update_prob_schedule",
     "scale_by_kron",

@@ -5,7 +5,7 @@ units (see ``_kron_layout``), and every stack is split along its unit axis over
 the *unit axes* of the mesh, so that each device holds and fits about 1/N of the
 factors and a unit's kernels never communicate. The unit axes are the mesh axes
 named in ``preconditioner_partition_spec``, or else every mesh axis that shards a
-parameter.
+parameter (in the order the parameter specs first name them).
 
 Parameter shardings come, in this order, from ``params_partition_specs``, from
 boxed parameters (flax ``nn.Partitioned``), or from the parameters' types (explicit
@@ -65,14 +65,13 @@ class ShardingPlan(NamedTuple):
             for x, spec in zip(leaves, self.param_specs, strict=True)
         ]
 
-    def run(self, body: Callable, out_specs: Callable[[Any], Any], *args):
+    def run(self, body: Callable, out_specs: Any, *args):
         """``body(*args)``; on an explicit mesh, under ``auto_axes`` so that its
         internal sharding constraints apply, with outputs sharded by
-        ``out_specs(outputs)`` (a pytree of PartitionSpecs)."""
+        ``out_specs`` (a pytree of PartitionSpecs like the outputs)."""
         if not self.explicit:
             return body(*args)
-        shapes = jax.eval_shape(body, *args)
-        return jax.sharding.auto_axes(body, out_sharding=out_specs(shapes))(*args)
+        return jax.sharding.auto_axes(body, out_sharding=out_specs)(*args)
 
 
 def is_box(node: Any) -> bool:
@@ -132,6 +131,15 @@ def _specs_from_leaves(leaves: Sequence[Any]) -> tuple | None:
     return tuple(s.spec for s in shardings)
 
 
+def _canonical(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` without trailing Nones, as jit reports shardings: P('x', None) and
+    P('x') place an array the same, but jit caches on the spelling."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
 def _mesh_axes(spec: PartitionSpec) -> list[str]:
     axes = []
     for entry in spec:
@@ -142,11 +150,13 @@ def _mesh_axes(spec: PartitionSpec) -> list[str]:
 
 
 def check_spec(spec: Any, mesh: Any, name: str, ndim: int | None = None) -> None:
-    """A clear error unless ``spec`` is a PartitionSpec valid on ``mesh``."""
+    """A clear error unless ``spec`` is a PartitionSpec valid on ``mesh`` (if any)."""
     if not isinstance(spec, PartitionSpec):
         raise ValueError(f"Invalid {name}={spec!r}: must be a PartitionSpec")
     axes = _mesh_axes(spec)
-    unknown = [axis for axis in axes if axis not in mesh.axis_names]
+    unknown = [
+        axis for axis in axes if mesh is not None and axis not in mesh.axis_names
+    ]
     if unknown:
         raise ValueError(
             f"Invalid {name}={spec}: names mesh axes {unknown} that are not in the "
@@ -168,7 +178,38 @@ def plan_sharding(
     preconditioner_partition_spec: PartitionSpec | None,
     mesh: Any,
 ) -> ShardingPlan:
-    """Resolves the mesh, every parameter's spec and the unit axes (see module)."""
+    """Resolves the mesh, every parameter's spec and the unit axes (see module).
+
+    Inferred unit axes are the mesh axes in the order the parameter specs first
+    name them. Raises if specs are given but no mesh is found: init and update
+    need one to place arrays (:func:`partition_specs_only` does not).
+    """
+    plan = partition_specs_only(
+        params,
+        params_partition_specs=params_partition_specs,
+        preconditioner_partition_spec=preconditioner_partition_spec,
+        mesh=mesh,
+    )
+    if plan.mesh is None and (
+        params_partition_specs is not None or preconditioner_partition_spec is not None
+    ):
+        raise ValueError(
+            "params_partition_specs and preconditioner_partition_spec need a mesh: "
+            "call init and update under `with jax.set_mesh(mesh):`, or pass "
+            "mesh=... to kron"
+        )
+    return plan
+
+
+def partition_specs_only(
+    params: Any,
+    *,
+    params_partition_specs: Any,
+    preconditioner_partition_spec: PartitionSpec | None,
+    mesh: Any,
+) -> ShardingPlan:
+    """:func:`plan_sharding` without the need for a mesh (the specs are checked
+    against one only if there is one)."""
     leaves, treedef = jax.tree.flatten(params)
     if mesh is None and not jax.sharding.get_abstract_mesh().empty:
         mesh = jax.sharding.get_abstract_mesh()
@@ -184,28 +225,17 @@ def plan_sharding(
         )
     else:
         specs = _specs_from_leaves(leaves) if mesh is not None else None
-    needs_mesh = params_partition_specs is not None or (
-        preconditioner_partition_spec is not None
-    )
-    if mesh is None:
-        if needs_mesh:
-            raise ValueError(
-                "params_partition_specs and preconditioner_partition_spec need a "
-                "mesh: call init and update under `with jax.set_mesh(mesh):`, or "
-                "pass mesh=... to kron"
-            )
-        return ShardingPlan(None, None, (), explicit=False)
     if specs is not None:
         for spec, x, path in zip(
             specs, leaves, _leaf_paths(treedef, len(leaves)), strict=True
         ):
             check_spec(spec, mesh, f"params_partition_specs{path}", ndim=x.ndim)
+        specs = tuple(_canonical(spec) for spec in specs)
     if preconditioner_partition_spec is not None:
         check_spec(preconditioner_partition_spec, mesh, "preconditioner_partition_spec")
         unit_axes = tuple(_mesh_axes(preconditioner_partition_spec))
     elif specs is not None:
-        used = {axis for spec in specs for axis in _mesh_axes(spec)}
-        unit_axes = tuple(axis for axis in mesh.axis_names if axis in used)
+        unit_axes = tuple(dict.fromkeys(a for s in specs for a in _mesh_axes(s)))
     else:
         unit_axes = ()
     explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))

@@ -29,7 +29,12 @@ from precond._common.validation import (
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
 from precond.jax._kron_layout import StackPlan, TensorPlan
-from precond.jax._kron_sharding import ShardingPlan, per_parameter, plan_sharding
+from precond.jax._kron_sharding import (
+    ShardingPlan,
+    partition_specs_only,
+    per_parameter,
+    plan_sharding,
+)
 
 # Precision names accepted by jax.default_matmul_precision.
 MATMUL_PRECISIONS = (
@@ -442,16 +447,17 @@ def scale_by_kron(
                         ]
                     )
                 )
+            # Counters replicated like the update's outputs, so the first update
+            # compiles for the same input shardings as every later one.
+            zero = sharding.constrain(jnp.zeros([], jnp.int32), PartitionSpec())
             return KronState(
-                count=jnp.zeros([], jnp.int32),
+                count=zero,
                 mu=mu,
                 preconditioners=tuple(init_stack(s, sharding) for s in stacks),
-                update_counter=jnp.zeros([], jnp.int32),
+                update_counter=zero,
             )
 
-        return sharding.run(
-            body, lambda _: state_specs(treedef, stacks, sharding), params
-        )
+        return sharding.run(body, state_specs(treedef, stacks, sharding), params)
 
     def over_units(fn: Callable, sharding: ShardingPlan, *stacked):
         """``fn`` applied to every unit of a stack (vmap, or lax.map in batches).
@@ -548,17 +554,13 @@ def scale_by_kron(
         def body(updates, state):
             return sharded_update(updates, state, treedef, plans, stacks, sharding)
 
-        return sharding.run(
-            body,
-            lambda _: (
-                treedef.unflatten(
-                    sharding.param_specs or [PartitionSpec()] * treedef.num_leaves
-                ),
-                state_specs(treedef, stacks, sharding),
+        out_specs = (
+            treedef.unflatten(
+                sharding.param_specs or [PartitionSpec()] * treedef.num_leaves
             ),
-            updates,
-            state,
+            state_specs(treedef, stacks, sharding),
         )
+        return sharding.run(body, out_specs, updates, state)
 
     def sharded_update(updates, state, treedef, plans, stacks, sharding):
         grads = sharding.constrain_params(jax.tree.leaves(updates))
@@ -638,7 +640,9 @@ def scale_by_kron(
         new_updates = []
         for U, g, lead in zip(
             layout.from_stacks(
-                # Gathered, then cut to each parameter's sharding locally.
+                # Gathered whole, then cut to each parameter's sharding locally
+                # (gathering each parameter's slice of a stack costs more: the
+                # slices do not align with the shards).
                 [sharding.constrain(U, PartitionSpec()) for U in U_stacks],
                 plans,
                 stacks,
@@ -756,3 +760,67 @@ def kron(
         transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
     transforms.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*transforms)
+
+
+def get_opt_state_partition_specs(
+    params: Any, scale_by_kron_only: bool = False, **kron_kwargs: Any
+) -> Any:
+    """The PartitionSpec of every leaf of the state of ``kron(**kron_kwargs)``.
+
+    For ``jax.jit(..., out_shardings=...)`` or a checkpointer's restore targets:
+    momentum follows its parameter, every stack of factors is split along its unit
+    axis (see ``preconditioner_partition_spec``), everything else is replicated.
+    ``params`` may be arrays or ``jax.ShapeDtypeStruct``s. On an explicit mesh,
+    ``jax.eval_shape(optimizer.init, params)`` carries the same shardings.
+
+    Args:
+        params: the parameters (or their shapes).
+        scale_by_kron_only: the state of ``scale_by_kron(**kron_kwargs)`` instead
+            (``kron``'s own arguments, such as ``learning_rate``, are ignored).
+        **kron_kwargs: the arguments given to ``kron``.
+
+    Example:
+        >>> kwargs = dict(params_partition_specs=specs,
+        ...               preconditioner_partition_spec=P("fsdp", None))
+        >>> optimizer = kron(**kwargs)  # doctest: +SKIP
+        >>> specs = get_opt_state_partition_specs(params, **kwargs)  # doctest: +SKIP
+    """
+    if scale_by_kron_only:
+        for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
+            kron_kwargs.pop(name, None)
+    factory = scale_by_kron if scale_by_kron_only else kron
+    sharding = partition_specs_only(
+        params,
+        params_partition_specs=kron_kwargs.get("params_partition_specs"),
+        preconditioner_partition_spec=kron_kwargs.get("preconditioner_partition_spec"),
+        mesh=kron_kwargs.get("mesh"),
+    )
+    # The state's structure does not depend on the sharding: trace it without.
+    unsharded = dict(
+        kron_kwargs,
+        params_partition_specs=None,
+        preconditioner_partition_spec=None,
+        mesh=None,
+    )
+    shapes = jax.eval_shape(factory(**unsharded).init, params)
+    param_specs = sharding.param_specs
+    if param_specs is None:
+        param_specs = [PartitionSpec()] * len(jax.tree.leaves(params))
+
+    def kron_specs(state: KronState) -> KronState:
+        return KronState(
+            count=PartitionSpec(),
+            mu=None
+            if state.mu is None
+            else jax.tree.structure(params).unflatten(param_specs),
+            preconditioners=jax.tree.map(
+                lambda _: sharding.stack_spec, state.preconditioners
+            ),
+            update_counter=PartitionSpec(),
+        )
+
+    return jax.tree.map(
+        lambda x: kron_specs(x) if isinstance(x, KronState) else PartitionSpec(),
+        shapes,
+        is_leaf=lambda x: isinstance(x, KronState),
+    )
