@@ -48,7 +48,7 @@ import optax
 from precond._common.factor_plan import plan_diagonal_axes
 from precond.jax import _kron_math as km
 from precond.jax import kron
-from precond.jax.kron import fit_randomness
+from precond.jax.kron import fit_randomness, unit_noise
 
 LOW_PROBABILITY = 0.03
 STEPS_PER_FIT = int(np.ceil(1.0 / LOW_PROBABILITY))  # 34: kron fits when >= 1/p
@@ -276,8 +276,15 @@ def _cache(x: dict, layout: str) -> list[jax.Array]:
 
 
 def _noise(xs: list[dict]) -> Any:
-    shapes = [x["G"].shape[1:] for x in xs for _ in range(x["G"].shape[0])]
-    return fit_randomness(jax.random.PRNGKey(0), shapes, jnp.float32)
+    _, noise_key = fit_randomness(jax.random.PRNGKey(0))
+    return [
+        jax.vmap(
+            lambda unit, x=x: unit_noise(
+                noise_key, 0, unit, x["G"].shape[1:], x["G"].dtype
+            )
+        )(jnp.arange(x["G"].shape[0]))
+        for x in xs
+    ]
 
 
 def _each(fn: Callable[..., Any], **kwargs: Any) -> Callable[[list[dict]], list]:
@@ -290,7 +297,7 @@ def _stages() -> list[tuple[str, str, tuple, Callable]]:
     how = {"packed": "unpack Pᵢ, G ×ᵢ Pᵢ", "dense": "G ×ᵢ Pᵢ", None: "Qᵢᵀ(Qᵢ·G)"}
     how = {c: f"precondition, {c}: {how[c]}" for c in LAYOUTS}
     return [
-        ("noise: one normal draw for all", "noise", LAYOUTS, _noise),
+        ("noise: one normal draw per unit", "noise", LAYOUTS, _noise),
         ("B = V ×ᵢ Qᵢ⁻ᵀ (triangular solves)", "B", LAYOUTS, _each(_solves)),
         ("Grams T1, T2, both axes", "grams", LAYOUTS, _each(_grams)),
         ("triu(T1 − T2)·Qᵢ, both axes", "q_update", LAYOUTS, _each(_q_update)),

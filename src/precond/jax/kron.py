@@ -449,12 +449,16 @@ def scale_by_kron(
                 )
             # Counters replicated like the update's outputs, so the first update
             # compiles for the same input shardings as every later one.
-            zero = sharding.constrain(jnp.zeros([], jnp.int32), PartitionSpec())
+            # (Two arrays, not one: a donated state must not alias a buffer.)
+            count, update_counter = (
+                sharding.constrain(jnp.zeros([], jnp.int32), PartitionSpec())
+                for _ in range(2)
+            )
             return KronState(
-                count=zero,
+                count=count,
                 mu=mu,
                 preconditioners=tuple(init_stack(s, sharding) for s in stacks),
-                update_counter=zero,
+                update_counter=update_counter,
             )
 
         return sharding.run(body, state_specs(treedef, stacks, sharding), params)
