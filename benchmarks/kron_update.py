@@ -26,9 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -45,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _common import loadavg, machine_info, median_time
 from precond._common.factor_plan import plan_diagonal_axes
 from precond.jax import _kron_math as km
 from precond.jax import kron
@@ -55,49 +54,6 @@ STEPS_PER_FIT = int(np.ceil(1.0 / LOW_PROBABILITY))  # 34: kron fits when >= 1/p
 LAYOUTS = ("packed", "dense", None)  # kron's preconditioner_cache options
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4  # optax.adamw's default, given to both optimizers
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, usable cores, library versions, date and load average."""
-    cpu_model = "unknown"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            models = [ln.split(":", 1)[1] for ln in f if ln.startswith("model name")]
-        cpu_model = models[0].strip() if models else cpu_model
-    return {
-        "cpu_model": cpu_model,
-        "usable_cpus": len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else os.cpu_count(),
-        "jax_device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "jaxlib": __import__("jaxlib").__version__,
-        "optax": optax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"
-        ),
-        "loadavg_start": _loadavg(),
-    }
-
-
-def median_time(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
-    """Median wall seconds of ``runs`` calls of ``fn``, each blocked on."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def xla_gflop(compiled: Any) -> float | None:
@@ -565,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     matmul_after, adamw_after = references("after")
     log("done")
 
-    info["loadavg_end"] = _loadavg()
+    info["loadavg_end"] = loadavg()
     matmul = matmul_before + matmul_after
     result = {
         "machine": info,

@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmark scripts: machine description and timing."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, usable cores, library versions, date and load average."""
+    cpu_model = "unknown"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            models = [ln.split(":", 1)[1] for ln in f if ln.startswith("model name")]
+        cpu_model = models[0].strip() if models else cpu_model
+    return {
+        "cpu_model": cpu_model,
+        "usable_cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "jax_device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "jaxlib": __import__("jaxlib").__version__,
+        "optax": optax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "loadavg_start": loadavg(),
+    }
+
+
+def median_time(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``runs`` calls of ``fn``, each blocked on."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
