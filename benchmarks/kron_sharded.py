@@ -33,18 +33,16 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
+from precond._common.xla_workarounds import avoid_xla_cpu_deadlock, simulate_cpu_devices
 
 avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+simulate_cpu_devices(8)
 
 import jax
 import jax.numpy as jnp

@@ -2,12 +2,10 @@
 
 import os
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
+from precond._common.xla_workarounds import avoid_xla_cpu_deadlock, simulate_cpu_devices
 
 avoid_xla_cpu_deadlock()
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+simulate_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402 - after XLA_FLAGS is set

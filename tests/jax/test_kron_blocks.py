@@ -1,5 +1,7 @@
 """Block partitioning: layout round trips, inert padding, and the no-op identity."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,7 +152,7 @@ def test_merge_and_block_defaults_keep_a_small_model_small():
     defaults give 18.5 MB of factors for ~19k parameters)."""
     sizes = [64, 256, 256, 10]
     params = {}
-    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         params[f"w{i}"] = jnp.zeros((n_in, n_out))
         params[f"b{i}"] = jnp.zeros((n_out,))
 

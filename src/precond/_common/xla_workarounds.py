@@ -35,3 +35,22 @@ def avoid_xla_cpu_deadlock() -> None:
         )
         return
     os.environ["XLA_FLAGS"] = f"{flags} {XLA_CPU_DEADLOCK_FLAG}".strip()
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Makes XLA:CPU present ``count`` devices, and avoids a deadlock that brings.
+
+    Sets ``--xla_force_host_platform_device_count`` (unless ``XLA_FLAGS`` sets it)
+    and, unless set, ``NPROC``, which sizes XLA:CPU's thread pool. The simulated
+    devices share that pool, and a collective (all-gather, ...) blocks a pool thread
+    per device until every device arrives; with fewer threads than devices (the
+    pool defaults to one per core) the late devices never get a thread and the
+    program hangs ("Expected 8 threads to join the rendezvous, but only 4 of them
+    arrived"). ``NPROC`` = 2·count leaves threads for the work. Must run before
+    ``jax`` is imported.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+        os.environ["XLA_FLAGS"] = flags
+    os.environ.setdefault("NPROC", str(max(2 * count, os.cpu_count() or 1)))
