@@ -210,6 +210,28 @@ def _saturating_increment(count: jax.Array) -> jax.Array:
     return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
 
 
+def _factor_structure(stacks: list[StackPlan]) -> tuple:
+    """A pytree shaped like ``KronState.preconditioners`` (one leaf per factor)."""
+    return tuple(tuple(0 for _ in stack.block_shape) for stack in stacks)
+
+
+def _state_specs(
+    sharding: ShardingPlan, treedef: Any, factors: Any, keep_momentum: bool
+) -> KronState:
+    """The PartitionSpec of every leaf of a KronState: momentum like its parameter,
+    factor stacks split along their unit axis, counters replicated. ``factors`` is
+    any pytree shaped like the state's preconditioners."""
+    param_specs = sharding.param_specs
+    if param_specs is None:
+        param_specs = [PartitionSpec()] * treedef.num_leaves
+    return KronState(
+        count=PartitionSpec(),
+        mu=treedef.unflatten(param_specs) if keep_momentum else None,
+        preconditioners=jax.tree.map(lambda _: sharding.stack_spec, factors),
+        update_counter=PartitionSpec(),
+    )
+
+
 def scale_by_kron(
     b1: float = 0.9,
     # A pure function, as in distributed-kron's signature: safe as a default.
@@ -382,21 +404,6 @@ def scale_by_kron(
         stacks = layout.plan_stacks(plans, shapes, units_multiple_of=sharding.shards)
         return treedef, plans, stacks, sharding
 
-    def state_specs(treedef, stacks, sharding: ShardingPlan) -> KronState:
-        """The PartitionSpec of every leaf of the state."""
-        param_specs = sharding.param_specs
-        if param_specs is None:
-            param_specs = [PartitionSpec()] * treedef.num_leaves
-        return KronState(
-            count=PartitionSpec(),
-            mu=treedef.unflatten(param_specs) if keep_momentum else None,
-            preconditioners=tuple(
-                tuple(sharding.stack_spec for _ in stack.block_shape)
-                for stack in stacks
-            ),
-            update_counter=PartitionSpec(),
-        )
-
     def stored(Q: jax.Array) -> jax.Array:
         """The state array of a triangular factor, in the chosen cache layout."""
         if preconditioner_cache == "packed":
@@ -461,7 +468,10 @@ def scale_by_kron(
                 update_counter=update_counter,
             )
 
-        return sharding.run(body, state_specs(treedef, stacks, sharding), params)
+        specs = _state_specs(
+            sharding, treedef, _factor_structure(stacks), keep_momentum
+        )
+        return sharding.run(body, specs, params)
 
     def over_units(fn: Callable, sharding: ShardingPlan, *stacked):
         """``fn`` applied to every unit of a stack (vmap, or lax.map in batches).
@@ -562,7 +572,7 @@ def scale_by_kron(
             treedef.unflatten(
                 sharding.param_specs or [PartitionSpec()] * treedef.num_leaves
             ),
-            state_specs(treedef, stacks, sharding),
+            _state_specs(sharding, treedef, _factor_structure(stacks), keep_momentum),
         )
         return sharding.run(body, out_specs, updates, state)
 
@@ -807,21 +817,11 @@ def get_opt_state_partition_specs(
         mesh=None,
     )
     shapes = jax.eval_shape(factory(**unsharded).init, params)
-    param_specs = sharding.param_specs
-    if param_specs is None:
-        param_specs = [PartitionSpec()] * len(jax.tree.leaves(params))
+    treedef = jax.tree.structure(params)
 
     def kron_specs(state: KronState) -> KronState:
-        return KronState(
-            count=PartitionSpec(),
-            mu=None
-            if state.mu is None
-            else jax.tree.structure(params).unflatten(param_specs),
-            preconditioners=jax.tree.map(
-                lambda _: sharding.stack_spec, state.preconditioners
-            ),
-            update_counter=PartitionSpec(),
-        )
+        has_mu = state.mu is not None
+        return _state_specs(sharding, treedef, state.preconditioners, has_mu)
 
     return jax.tree.map(
         lambda x: kron_specs(x) if isinstance(x, KronState) else PartitionSpec(),
