@@ -42,8 +42,8 @@ def _launch_workers(out_dir):
             f"--xla_force_host_platform_device_count=4 {XLA_CPU_DEADLOCK_FLAG}"
         ),
         "JAX_PLATFORMS": "cpu",
-        # See precond._common.xla_workarounds.simulate_cpu_devices.
-        "NPROC": "8",
+        # 2·4 + 1: see precond._common.xla_workarounds.simulate_cpu_devices.
+        "PJRT_NPROC": "9",
     }
     port = str(_free_port())
     workers = []

@@ -38,19 +38,30 @@ def avoid_xla_cpu_deadlock() -> None:
 
 
 def simulate_cpu_devices(count: int) -> None:
-    """Makes XLA:CPU present ``count`` devices, and avoids a deadlock that brings.
+    """Makes XLA:CPU present ``count`` devices, and avoids the hangs that can bring.
 
-    Sets ``--xla_force_host_platform_device_count`` (unless ``XLA_FLAGS`` sets it)
-    and, unless set, ``NPROC``, which sizes XLA:CPU's thread pool. The simulated
-    devices share that pool, and a collective (all-gather, ...) blocks a pool thread
-    per device until every device arrives; with fewer threads than devices (the
-    pool defaults to one per core) the late devices never get a thread and the
-    program hangs ("Expected 8 threads to join the rendezvous, but only 4 of them
-    arrived"). ``NPROC`` = 2·count leaves threads for the work. Must run before
-    ``jax`` is imported.
+    Call it before JAX's CPU backend starts (before ``jax`` is imported, or at least
+    before the first array is made). Sets the device count (the
+    ``--xla_force_host_platform_device_count`` flag, or ``jax_num_cpu_devices``
+    once jax is imported) unless ``XLA_FLAGS`` already sets one, and, unless set,
+    ``PJRT_NPROC`` = 2·count + 1, the size of XLA:CPU's thread pool.
+
+    The simulated devices share that pool, which defaults to max(cores, devices)
+    threads, and in jaxlib 0.10 a device can hold a pool thread while it waits: in
+    a collective until every device arrives ("Expected 8 threads to join the
+    rendezvous, but only 4 of them arrived"), or in a batched triangular solve
+    until its pieces have run on the same pool. When every thread waits, the step
+    hangs. 2·count + 1 threads leave one free with two waits per device (a larger
+    pool only costs time on a small machine).
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-        os.environ["XLA_FLAGS"] = flags
-    os.environ.setdefault("NPROC", str(max(2 * count, os.cpu_count() or 1)))
+    os.environ.setdefault("PJRT_NPROC", str(2 * count + 1))
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    if "jax" in sys.modules:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", count)
+    else:
+        flags = os.environ.get("XLA_FLAGS", "")
+        flag = f"--xla_force_host_platform_device_count={count}"
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
