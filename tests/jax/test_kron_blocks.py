@@ -1,7 +1,5 @@
 """Block partitioning: layout round trips, inert padding, and the no-op identity."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,24 +142,3 @@ def test_blocks_of_all_parameters_share_one_stack():
 def test_bad_block_size():
     with pytest.raises(ValueError, match="Invalid block_size=0: must be >= 1"):
         pj.kron(partition_grads_into_blocks=True, block_size=0)
-
-
-def test_merge_and_block_defaults_keep_a_small_model_small():
-    """The digits MLP 64→256→256→10 with merging and blocking at their default
-    sizes keeps its state within 2× of plain Kron (an existing implementation's
-    defaults give 18.5 MB of factors for ~19k parameters)."""
-    sizes = [64, 256, 256, 10]
-    params = {}
-    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
-        params[f"w{i}"] = jnp.zeros((n_in, n_out))
-        params[f"b{i}"] = jnp.zeros((n_out,))
-
-    def factor_bytes(**kwargs):
-        state = pj.scale_by_kron(**kwargs).init(params)
-        return sum(x.nbytes for x in jax.tree.leaves(state.preconditioners))
-
-    plain = factor_bytes()
-    tuned = factor_bytes(merge_small_dims=True, partition_grads_into_blocks=True)
-    assert tuned <= 2 * plain
-    # Packed float32 factors: 65·64 + 4·257·256 + 11·10 + diagonals = 1.07 MB.
-    assert plain < 1.1e6
