@@ -331,3 +331,32 @@ def test_state_from_another_mesh_is_an_error():
         pytest.raises(ValueError, match="does not fit these gradients on this mesh"),
     ):
         pj.kron(**kwargs).update(params, state)
+
+
+def test_sharded_newton_mode_equals_unsharded():
+    """Kron fitted to (H·v, v) pairs: the vectors are stacked and split like the
+    gradients (float64, 1e-10)."""
+    mesh, specs = _mesh("fsdp,tp"), PLACEMENTS["fsdp,tp"]
+    with float64():
+        grads, hvps, vectors = (_grads(3, jnp.float64, seed=s) for s in (0, 1, 2))
+
+        def run(optimizer, put):
+            params = put(_zeros(jnp.float64))
+            state = optimizer.init(params)
+            update = jax.jit(optimizer.update)
+            outputs = []
+            for g, h, v in zip(grads, hvps, vectors, strict=True):
+                updates, state = update(
+                    put(g), state, Hvp=put(h), vector=put(v), update_preconditioner=True
+                )
+                outputs.append(updates)
+            return outputs
+
+        kwargs = dict(precond_dtype=jnp.float64, **KWARGS)
+        want = run(pj.scale_by_kron(**kwargs), lambda t: t)
+        with jax.set_mesh(mesh):
+            got = run(
+                pj.scale_by_kron(**kwargs, params_partition_specs=specs),
+                lambda t: _put(t, mesh, specs),
+            )
+    _assert_close(got, want, rtol=1e-10, atol=1e-14)

@@ -1,10 +1,11 @@
 """precond's JAX optimizers, as optax gradient transformations.
 
 ``kron`` / ``scale_by_kron`` (PSGD Kron), its update-probability schedule and
-``get_opt_state_partition_specs``.
+``get_opt_state_partition_specs``; ``hessian_helper`` for Newton-mode fitting.
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
+from precond.jax.hessian import hessian_helper
 from precond.jax.kron import (
     KRON_STATIC_ARGS,
     KronState,
@@ -18,6 +19,7 @@ __all__ = [
     "KRON_STATIC_ARGS",
     "KronState",
     "get_opt_state_partition_specs",
+    "hessian_helper",
     "kron",
     "precond_update_prob_schedule",
     "scale_by_kron",

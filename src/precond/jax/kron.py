@@ -58,6 +58,8 @@ KRON_STATIC_ARGS = (
     "block_size",
     "seed",
 )
+# Extra arguments of ``update`` that switch the factor fit to Newton mode.
+NEWTON_ARGS = ("Hvp", "vector", "update_preconditioner")
 # Probability of balancing the factors' norms on a preconditioner update.
 BALANCE_PROBABILITY = 0.01
 # Updates are scaled down so their per-tensor RMS is at most this.
@@ -279,6 +281,12 @@ def scale_by_kron(
     dims, or by ``memory_save_mode`` (see
     :func:`precond._common.factor_plan.plan_diagonal_axes`); otherwise an
     upper-triangular one. Scalars are treated as shape (1,).
+
+    Newton mode: ``update(grads, state, params, Hvp=h, vector=v,
+    update_preconditioner=flag)`` (all three, e.g. from
+    :func:`precond.jax.hessian_helper`) fits the factors to the pairs (h, v) =
+    (H·v, v) instead, without damping noise, so that P → H⁻¹ in the
+    Kronecker-factored sense; ``flag`` replaces the update probability.
 
     Non-finite gradients: if any gradient entry is NaN or ±Inf the whole step is
     skipped: the returned update is zero and the state (momentum, factors, counts)
@@ -503,49 +511,94 @@ def scale_by_kron(
             return km.precondition(factors, G)
         return km.precondition_with_grams([gram_of(F) for F in factors], G)
 
-    def fit_unit(factors, G, ids, extent, noise_key, balance):
-        """One factor update of one unit from (G + damping noise, V).
+    def fit_unit(factors, G, V, ids, extent, noise_key, balance):
+        """One factor update of one unit from the pair (G, V).
 
-        ``extent`` is the unit's real size per axis: padding beyond it holds zeros
-        in G, gets no noise, and is kept out of the damping scale and the
-        balancing norms.
+        Whitening (``V`` None): V is drawn (:func:`unit_noise`) and G gets damping
+        noise. Newton: (G, V) = (H·v, v) as given. ``extent`` is the unit's real
+        size per axis: padding beyond it holds zeros in G and V, gets no noise,
+        and is kept out of the damping scale and the balancing norms.
         """
         valid = [jnp.arange(size) < extent[i] for i, size in enumerate(G.shape)]
-        inside = functools.reduce(
-            jnp.logical_and,
-            [
-                v.reshape([-1 if a == i else 1 for a in range(G.ndim)])
-                for i, v in enumerate(valid)
-            ],
-        )
-        V = unit_noise(noise_key, ids[0], ids[1], G.shape, G.dtype)
-        V = jnp.where(inside, V, 0)
+        if V is None:
+            inside = functools.reduce(
+                jnp.logical_and,
+                [
+                    v.reshape([-1 if a == i else 1 for a in range(G.ndim)])
+                    for i, v in enumerate(valid)
+                ],
+            )
+            V = unit_noise(noise_key, ids[0], ids[1], G.shape, G.dtype)
+            V = jnp.where(inside, V, 0)
+            G = km.add_damping_noise(G, V, jnp.maximum(jnp.prod(extent), 1))
         Qs = [factor_of(F) for F in factors]
         if len(Qs) > 1:
             balanced = km.balance_factors(Qs, valid)
             Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs, strict=True)]
-        G = km.add_damping_noise(G, V, jnp.maximum(jnp.prod(extent), 1))
         Qs = km.update_factors(Qs, G, V, preconditioner_lr)
         return tuple(Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs)
 
-    def fit_stacks(stacks, sharding, all_factors, G_stacks, key):
-        """One factor update of every unit (the 'update' branch of step 2)."""
+    def fit_stacks(stacks, sharding, all_factors, G_stacks, key, V_stacks=None):
+        """One factor update of every unit (the 'update' branch of step 2);
+        ``V_stacks`` are the Newton vectors (None: whitening)."""
         balance, noise_key = fit_randomness(key)
+        if V_stacks is None:
+            V_stacks = [None] * len(stacks)
         new_factors = []
-        for stack, factors, G in zip(stacks, all_factors, G_stacks, strict=True):
+        for stack, factors, G, V in zip(
+            stacks, all_factors, G_stacks, V_stacks, strict=True
+        ):
             with jax.named_scope("precond/kron/update_factors"):
-                fit = functools.partial(fit_unit, noise_key=noise_key, balance=balance)
                 ids = sharding.constrain(
                     jnp.asarray(stack.unit_ids), sharding.stack_spec
                 )
                 extents = sharding.constrain(
                     jnp.asarray(stack.extents), sharding.stack_spec
                 )
-                fitted = over_units(fit, sharding, tuple(factors), G, ids, extents)
+
+                def fit(factors, G, ids, extent, *newton_V):
+                    V = newton_V[0] if newton_V else None
+                    return fit_unit(factors, G, V, ids, extent, noise_key, balance)
+
+                newton_V = () if V is None else (V,)
+                fitted = over_units(
+                    fit, sharding, tuple(factors), G, ids, extents, *newton_V
+                )
                 new_factors.append(
                     tuple(sharding.constrain(F, sharding.stack_spec) for F in fitted)
                 )
         return tuple(new_factors)
+
+    def newton_arguments(updates, extra_args) -> dict | None:
+        """The Newton-mode extra arguments of ``update``, checked; None if absent."""
+        given = {name: extra_args.get(name) for name in NEWTON_ARGS}
+        missing = [name for name, value in given.items() if value is None]
+        if len(missing) == len(NEWTON_ARGS):
+            return None
+        if missing:
+            raise ValueError(
+                f"Newton-mode fitting needs {', '.join(NEWTON_ARGS)} together; "
+                f"missing {', '.join(missing)} (precond.jax.hessian_helper returns "
+                "all three)"
+            )
+        treedef = jax.tree.structure(updates)
+        for name in ("Hvp", "vector"):
+            if jax.tree.structure(given[name]) != treedef:
+                raise ValueError(
+                    f"Invalid {name}: must have the structure of the gradients "
+                    f"({treedef}); got {jax.tree.structure(given[name])}"
+                )
+            for (path, x), g in zip(
+                jax.tree_util.tree_flatten_with_path(given[name])[0],
+                jax.tree.leaves(updates),
+                strict=True,
+            ):
+                if x.shape != g.shape:
+                    raise ValueError(
+                        f"Invalid {name}{jax.tree_util.keystr(path)}: shape "
+                        f"{x.shape} differs from the gradient's {g.shape}"
+                    )
+        return given
 
     def check_state_layout(state: KronState, stacks: list[StackPlan]) -> None:
         want = [len(stack.extents) for stack in stacks]
@@ -559,14 +612,17 @@ def scale_by_kron(
             )
 
     def update_fn(updates, state: KronState, params=None, **extra_args):
-        del params, extra_args
+        del params
+        newton = newton_arguments(updates, extra_args)
         if not jax.tree.leaves(updates):
             return updates, state._replace(count=_saturating_increment(state.count))
         treedef, plans, stacks, sharding = plan_tree(updates)
         check_state_layout(state, stacks)
 
-        def body(updates, state):
-            return sharded_update(updates, state, treedef, plans, stacks, sharding)
+        def body(updates, state, newton):
+            return sharded_update(
+                updates, state, newton, treedef, plans, stacks, sharding
+            )
 
         out_specs = (
             treedef.unflatten(
@@ -574,9 +630,9 @@ def scale_by_kron(
             ),
             _state_specs(sharding, treedef, _factor_structure(stacks), keep_momentum),
         )
-        return sharding.run(body, out_specs, updates, state)
+        return sharding.run(body, out_specs, updates, state, newton)
 
-    def sharded_update(updates, state, treedef, plans, stacks, sharding):
+    def sharded_update(updates, state, newton, treedef, plans, stacks, sharding):
         grads = sharding.constrain_params(jax.tree.leaves(updates))
         # A step with a NaN/Inf gradient keeps the old state and returns zeros. The
         # guard is fused into the elementwise work (no whole-state select or cond).
@@ -601,9 +657,13 @@ def scale_by_kron(
         else:
             prob = preconditioner_update_probability
         update_counter = state.update_counter + 1
-        do_update = finite & (
-            update_counter.astype(jnp.float32) >= 1.0 / jnp.asarray(prob, jnp.float32)
-        )
+        if newton is None:
+            do_update = finite & (
+                update_counter.astype(jnp.float32)
+                >= 1.0 / jnp.asarray(prob, jnp.float32)
+            )
+        else:
+            do_update = finite & jnp.asarray(newton["update_preconditioner"], bool)
         update_counter = jnp.where(do_update, 0, update_counter)
         update_counter = jnp.where(finite, update_counter, state.update_counter)
 
@@ -626,18 +686,24 @@ def scale_by_kron(
 
         mu_hat_stacks = stacked(mu_hats)
 
-        def fit(all_factors, mu_hat_stacks):
-            targets = mu_hat_stacks if momentum_into_precond_update else stacked(grads)
+        def fit(all_factors, mu_hat_stacks, newton):
             key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
+            if newton is not None:  # fit P to the pairs (H·v, v)
+                hvp, vector = (
+                    stacked(jax.tree.leaves(newton[name])) for name in ("Hvp", "vector")
+                )
+                return fit_stacks(stacks, sharding, all_factors, hvp, key, vector)
+            targets = mu_hat_stacks if momentum_into_precond_update else stacked(grads)
             return fit_stacks(stacks, sharding, all_factors, targets, key)
 
         with _matmul_precision(precond_update_precision):
             all_factors = jax.lax.cond(
                 do_update,
                 fit,
-                lambda factors, _: tuple(factors),
+                lambda factors, *_: tuple(factors),
                 state.preconditioners,
                 mu_hat_stacks,
+                newton,
             )
 
         with (
