@@ -1,0 +1,112 @@
+"""PSGD XMat against a float64 explicit-matrix reference, and its fitting property."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import precond.jax as pj
+from tests.jax.helpers import float64
+from tests.reference import xmat_reference as ref
+
+# The module, not the ``xmat`` function that precond.jax re-exports under its name.
+xmat_module = importlib.import_module("precond.jax.xmat")
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    with float64():
+        yield
+
+
+@pytest.mark.parametrize("n", [6, 7])
+@pytest.mark.parametrize("order", ["2nd", "1st"])
+def test_one_update_and_preconditioning_match_reference(n, order):
+    rng = np.random.default_rng(n)
+    a = 1 + 0.1 * rng.normal(size=n)
+    b = 0.1 * rng.normal(size=n)
+    if n % 2:
+        b[n // 2] = 0
+    v, h, g = (rng.normal(size=n) for _ in range(3))
+    got_a, got_b = xmat_module.xmat_update(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(v), jnp.asarray(h), 0.1, order
+    )
+    want_a, want_b = ref.update(a, b, v, h, 0.1, order)
+    np.testing.assert_allclose(got_a, want_a, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got_b, want_b, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(
+        xmat_module.xmat_precondition(got_a, got_b, jnp.asarray(g)),
+        ref.precondition(want_a, want_b, g),
+        rtol=1e-12,
+    )
+
+
+def test_newton_fit_drives_p_h_to_v():
+    """H = X-shaped SPD: repeated (v, H·v) fits give P ≈ H⁻¹."""
+    n = 8
+    rng = np.random.default_rng(0)
+    H = np.diag(rng.uniform(1, 10, n)) + 0.3 * np.fliplr(np.diag(rng.uniform(1, 2, n)))
+    H = (H + H.T) / 2
+    assert np.all(np.linalg.eigvalsh(H) > 0)
+    optimizer = pj.scale_by_xmat(b1=0.0)
+    params = {"w": jnp.zeros(n)}
+    state = optimizer.init(params)
+    update = jax.jit(optimizer.update)
+    for _ in range(2000):
+        v = rng.normal(size=n)
+        _, state = update(
+            params,
+            state,
+            Hvp={"w": jnp.asarray(H @ v)},
+            vector={"w": jnp.asarray(v)},
+            update_preconditioner=True,
+        )
+    P = ref.x_matrix(np.asarray(state.a), np.asarray(state.b))
+    P = P.T @ P
+    np.testing.assert_allclose(P @ H, np.eye(n), atol=0.05)
+
+
+def test_whitening_trains_a_quadratic():
+    rng = np.random.default_rng(1)
+    target = jnp.asarray(rng.normal(size=20))
+    scales = jnp.asarray(np.geomspace(1, 100, 20))
+    optimizer = pj.xmat(learning_rate=0.05)
+
+    def loss(p):
+        return jnp.sum(scales * (p["x"] - target) ** 2)
+
+    params = {"x": jnp.zeros(20)}
+    state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(loss)(params)
+        updates, state = optimizer.update(grads, state, params)
+        return jax.tree.map(lambda p, u: p + u, params, updates), state
+
+    start = loss(params)
+    for _ in range(300):
+        params, state = step(params, state)
+    assert loss(params) < 1e-2 * start
+
+
+def test_partial_newton_arguments_are_an_error():
+    optimizer = pj.xmat()
+    params = {"w": jnp.zeros(3)}
+    with pytest.raises(ValueError, match="missing vector, update_preconditioner"):
+        optimizer.update(params, optimizer.init(params), params, Hvp=params)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(step_normalizer_order="3rd"), "Invalid step_normalizer_order='3rd'"),
+        (dict(b1=1.0), "Invalid b1=1.0"),
+        (dict(precond_lr=0.0), "Invalid precond_lr=0.0"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pj.xmat(**kwargs)
