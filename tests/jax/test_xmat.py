@@ -5,6 +5,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import precond.jax as pj
@@ -149,3 +150,36 @@ def test_psgd_jax_readme_convergence(newton):
         assert losses[1] < 1e-10
     else:
         assert len(losses) <= 12
+
+
+def test_conformance_jit_donation_inject_hyperparams_and_dtypes():
+    """One compile for many donated steps; inject_hyperparams gives the same
+    updates; updates keep each gradient's dtype (bf16 and f32 mixed)."""
+    params = {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.ones(2, jnp.float32)}
+    grads = jax.tree.map(lambda p: (0.5 * p).astype(p.dtype), params)
+    optimizer = pj.xmat(learning_rate=0.1)
+    traces = []
+
+    def update(grads, state):
+        traces.append(1)
+        return optimizer.update(grads, state, params)
+
+    update = jax.jit(update, donate_argnums=1)
+    state = optimizer.init(params)
+    for _ in range(3):
+        updates, state = update(grads, state)
+    assert len(traces) == 1
+    assert {k: u.dtype for k, u in updates.items()} == {
+        "w": jnp.bfloat16,
+        "b": jnp.float32,
+    }
+    # (float32 here: an injected float32 learning rate promotes bf16 updates.)
+    params = grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    injected = optax.inject_hyperparams(pj.xmat)(learning_rate=0.1)
+    plain_state, injected_state = optimizer.init(params), injected.init(params)
+    for _ in range(2):
+        want, plain_state = optimizer.update(grads, plain_state, params)
+        got, injected_state = injected.update(grads, injected_state, params)
+        for k in params:
+            # The injected learning rate is a float32 array, 0.1 a Python float.
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
