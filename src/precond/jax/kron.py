@@ -29,12 +29,14 @@ from precond._common.validation import (
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
 from precond.jax._kron_layout import StackPlan, TensorPlan
+from precond.jax._kron_randomness import fit_randomness, unit_noise
 from precond.jax._kron_sharding import (
     ShardingPlan,
     partition_specs_only,
     per_parameter,
     plan_sharding,
 )
+from precond.jax.hessian import newton_arguments
 
 # Precision names accepted by jax.default_matmul_precision.
 MATMUL_PRECISIONS = (
@@ -58,10 +60,6 @@ KRON_STATIC_ARGS = (
     "block_size",
     "seed",
 )
-# Extra arguments of ``update`` that switch the factor fit to Newton mode.
-NEWTON_ARGS = ("Hvp", "vector", "update_preconditioner")
-# Probability of balancing the factors' norms on a preconditioner update.
-BALANCE_PROBABILITY = 0.01
 # Updates are scaled down so their per-tensor RMS is at most this.
 MAX_UPDATE_RMS = 1.1
 
@@ -109,33 +107,6 @@ def precond_update_prob_schedule(
         return jnp.clip(prob, min_prob, max_prob)
 
     return schedule
-
-
-def fit_randomness(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The random draws of one factor update: whether to balance, and the noise key.
-
-    ``key`` is ``fold_in(PRNGKey(seed), n)`` at step n. The noise V of each unit is
-    drawn by :func:`unit_noise` from the noise key.
-    """
-    balance_key, noise_key = jax.random.split(key)
-    return jax.random.uniform(balance_key) < BALANCE_PROBABILITY, noise_key
-
-
-def unit_noise(
-    noise_key: jax.Array,
-    parameter: jax.Array | int,
-    unit: jax.Array | int,
-    block_shape: tuple[int, ...],
-    dtype: Any,
-) -> jax.Array:
-    """V ~ N(0, I) of one unit: unit ``unit`` (layer-major, then blocks in row-major
-    order) of the parameter with leaf index ``parameter``.
-
-    Keyed by the unit's identity, not its place in a stack, so that the draw is the
-    same on any number of devices, and every device draws only its own units.
-    """
-    key = jax.random.fold_in(jax.random.fold_in(noise_key, parameter), unit)
-    return jax.random.normal(key, block_shape, dtype)
 
 
 def _validate(
@@ -568,37 +539,6 @@ def scale_by_kron(
                     tuple(sharding.constrain(F, sharding.stack_spec) for F in fitted)
                 )
         return tuple(new_factors)
-
-    def newton_arguments(updates, extra_args) -> dict | None:
-        """The Newton-mode extra arguments of ``update``, checked; None if absent."""
-        given = {name: extra_args.get(name) for name in NEWTON_ARGS}
-        missing = [name for name, value in given.items() if value is None]
-        if len(missing) == len(NEWTON_ARGS):
-            return None
-        if missing:
-            raise ValueError(
-                f"Newton-mode fitting needs {', '.join(NEWTON_ARGS)} together; "
-                f"missing {', '.join(missing)} (precond.jax.hessian_helper returns "
-                "all three)"
-            )
-        treedef = jax.tree.structure(updates)
-        for name in ("Hvp", "vector"):
-            if jax.tree.structure(given[name]) != treedef:
-                raise ValueError(
-                    f"Invalid {name}: must have the structure of the gradients "
-                    f"({treedef}); got {jax.tree.structure(given[name])}"
-                )
-            for (path, x), g in zip(
-                jax.tree_util.tree_flatten_with_path(given[name])[0],
-                jax.tree.leaves(updates),
-                strict=True,
-            ):
-                if x.shape != g.shape:
-                    raise ValueError(
-                        f"Invalid {name}{jax.tree_util.keystr(path)}: shape "
-                        f"{x.shape} differs from the gradient's {g.shape}"
-                    )
-        return given
 
     def check_state_layout(state: KronState, stacks: list[StackPlan]) -> None:
         want = [len(stack.extents) for stack in stacks]

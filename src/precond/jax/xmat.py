@@ -17,7 +17,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from precond._common.validation import check_choice, check_real, is_concrete_number
-from precond.jax.kron import NEWTON_ARGS
+from precond.jax.hessian import newton_arguments
 
 STEP_NORMALIZER_ORDERS = ("1st", "2nd")
 DEFAULT_SEED = 36  # psgd-jax's PRNGKey(36)
@@ -166,26 +166,14 @@ def scale_by_xmat(
 
     def update_fn(updates, state: XMatState, params=None, **extra_args):
         del params
-        given = {name: extra_args.get(name) for name in NEWTON_ARGS}
-        missing = [name for name, value in given.items() if value is None]
-        if 0 < len(missing) < len(NEWTON_ARGS):
-            raise ValueError(
-                f"Newton-mode fitting needs {', '.join(NEWTON_ARGS)} together; "
-                f"missing {', '.join(missing)}"
-            )
-        newton = not missing
+        newton = newton_arguments(updates, extra_args)
         g, unravel = ravel_pytree(updates)
         g = g.astype(state.a.dtype)
         key, decision_key, noise_key = jax.random.split(state.key, 3)
-        if newton:
-            h = ravel_pytree(given["Hvp"])[0].astype(g.dtype)
-            v = ravel_pytree(given["vector"])[0].astype(g.dtype)
-            if h.shape != g.shape or v.shape != g.shape:
-                raise ValueError(
-                    "Invalid Hvp or vector: must have the gradients' structure and "
-                    f"shapes ({g.shape[0]} entries); got {h.shape[0]} and {v.shape[0]}"
-                )
-            do_update = jnp.asarray(given["update_preconditioner"], bool)
+        if newton is not None:
+            h = ravel_pytree(newton["Hvp"])[0].astype(g.dtype)
+            v = ravel_pytree(newton["vector"])[0].astype(g.dtype)
+            do_update = jnp.asarray(newton["update_preconditioner"], bool)
         else:
             h, v = g, jax.random.normal(noise_key, g.shape, g.dtype)
             do_update = (
