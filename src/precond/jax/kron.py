@@ -28,6 +28,7 @@ from precond._common.validation import (
 )
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
+from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._kron_layout import StackPlan, TensorPlan
 from precond.jax._kron_randomness import fit_randomness, unit_noise
 from precond.jax._kron_sharding import (
@@ -746,40 +747,35 @@ def kron(
         >>> state = optimizer.init(params)  # doctest: +SKIP
         >>> updates, state = optimizer.update(grads, state)  # doctest: +SKIP
     """
-    check_real("learning_rate", learning_rate, low=0.0, allow_schedule=True)
-    check_real("weight_decay", weight_decay, low=0.0)
-    transforms = [
-        scale_by_kron(
-            b1=b1,
-            preconditioner_update_probability=preconditioner_update_probability,
-            max_size_triangular=max_size_triangular,
-            min_ndim_triangular=min_ndim_triangular,
-            memory_save_mode=memory_save_mode,
-            momentum_into_precond_update=momentum_into_precond_update,
-            preconditioner_lr=preconditioner_lr,
-            preconditioner_init_scale=preconditioner_init_scale,
-            mu_dtype=mu_dtype,
-            precond_dtype=precond_dtype,
-            precond_update_precision=precond_update_precision,
-            precond_grads_precision=precond_grads_precision,
-            scanned_layers=scanned_layers,
-            lax_map_scanned_layers=lax_map_scanned_layers,
-            lax_map_batch_size=lax_map_batch_size,
-            merge_small_dims=merge_small_dims,
-            target_merged_dim_size=target_merged_dim_size,
-            partition_grads_into_blocks=partition_grads_into_blocks,
-            block_size=block_size,
-            params_partition_specs=params_partition_specs,
-            preconditioner_partition_spec=preconditioner_partition_spec,
-            mesh=mesh,
-            preconditioner_cache=preconditioner_cache,
-            seed=seed,
-        )
-    ]
-    if not (is_concrete_number(weight_decay) and weight_decay == 0):
-        transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
-    transforms.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*transforms)
+    core = scale_by_kron(
+        b1=b1,
+        preconditioner_update_probability=preconditioner_update_probability,
+        max_size_triangular=max_size_triangular,
+        min_ndim_triangular=min_ndim_triangular,
+        memory_save_mode=memory_save_mode,
+        momentum_into_precond_update=momentum_into_precond_update,
+        preconditioner_lr=preconditioner_lr,
+        preconditioner_init_scale=preconditioner_init_scale,
+        mu_dtype=mu_dtype,
+        precond_dtype=precond_dtype,
+        precond_update_precision=precond_update_precision,
+        precond_grads_precision=precond_grads_precision,
+        scanned_layers=scanned_layers,
+        lax_map_scanned_layers=lax_map_scanned_layers,
+        lax_map_batch_size=lax_map_batch_size,
+        merge_small_dims=merge_small_dims,
+        target_merged_dim_size=target_merged_dim_size,
+        partition_grads_into_blocks=partition_grads_into_blocks,
+        block_size=block_size,
+        params_partition_specs=params_partition_specs,
+        preconditioner_partition_spec=preconditioner_partition_spec,
+        mesh=mesh,
+        preconditioner_cache=preconditioner_cache,
+        seed=seed,
+    )
+    return with_decay_and_learning_rate(
+        core, learning_rate, weight_decay, weight_decay_mask
+    )
 
 
 def get_opt_state_partition_specs(

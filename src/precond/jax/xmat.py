@@ -17,6 +17,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from precond._common.validation import check_choice, check_real, is_concrete_number
+from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax.hessian import newton_arguments
 
 STEP_NORMALIZER_ORDERS = ("1st", "2nd")
@@ -250,23 +251,16 @@ def xmat(
     Example:
         >>> optimizer = xmat(learning_rate=0.01)  # doctest: +SKIP
     """
-    check_real("learning_rate", learning_rate, low=0.0, allow_schedule=True)
-    check_real("weight_decay", weight_decay, low=0.0)
-    transforms = [
-        scale_by_xmat(
-            preconditioner_update_probability=preconditioner_update_probability,
-            b1=b1,
-            nesterov=nesterov,
-            precond_lr=precond_lr,
-            precond_init_scale=precond_init_scale,
-            update_global_norm_clip=update_global_norm_clip,
-            step_normalizer_order=step_normalizer_order,
-            seed=seed,
-            mu_dtype=mu_dtype,
-            precision=precision,
-        )
-    ]
-    if not (is_concrete_number(weight_decay) and weight_decay == 0):
-        transforms.append(optax.add_decayed_weights(weight_decay, mask))
-    transforms.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*transforms)
+    core = scale_by_xmat(
+        preconditioner_update_probability=preconditioner_update_probability,
+        b1=b1,
+        nesterov=nesterov,
+        precond_lr=precond_lr,
+        precond_init_scale=precond_init_scale,
+        update_global_norm_clip=update_global_norm_clip,
+        step_normalizer_order=step_normalizer_order,
+        seed=seed,
+        mu_dtype=mu_dtype,
+        precision=precision,
+    )
+    return with_decay_and_learning_rate(core, learning_rate, weight_decay, mask)
