@@ -64,7 +64,7 @@ def test_newton_fit_drives_p_h_to_v():
             vector={"w": jnp.asarray(v)},
             update_preconditioner=True,
         )
-    P = ref.x_matrix(np.asarray(state.a), np.asarray(state.b))
+    P = ref.x_matrix(*map(np.asarray, state.preconditioner))
     P = P.T @ P
     np.testing.assert_allclose(P @ H, np.eye(n), atol=0.05)
 

@@ -6,6 +6,7 @@
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
+from precond.jax._psgd_transform import PSGDState
 from precond.jax.hessian import hessian_helper
 from precond.jax.kron import (
     KRON_STATIC_ARGS,
@@ -15,12 +16,12 @@ from precond.jax.kron import (
     precond_update_prob_schedule,
     scale_by_kron,
 )
-from precond.jax.xmat import XMatState, scale_by_xmat, xmat
+from precond.jax.xmat import scale_by_xmat, xmat
 
 __all__ = [
     "KRON_STATIC_ARGS",
     "KronState",
-    "XMatState",
+    "PSGDState",
     "get_opt_state_partition_specs",
     "hessian_helper",
     "kron",

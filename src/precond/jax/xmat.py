@@ -16,23 +16,19 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from precond._common.validation import check_choice, check_real, is_concrete_number
 from precond.jax._alias import with_decay_and_learning_rate
-from precond.jax.hessian import newton_arguments
+from precond.jax._psgd_transform import (
+    Preconditioner,
+    check_psgd_arguments,
+    scale_by_psgd,
+)
 
-STEP_NORMALIZER_ORDERS = ("1st", "2nd")
-DEFAULT_SEED = 36  # psgd-jax's PRNGKey(36)
 
+class XMatFactors(NamedTuple):
+    """Q = diag(a) + antidiag(b) over all parameters flattened (n entries)."""
 
-class XMatState(NamedTuple):
-    """State of :func:`scale_by_xmat`: arrays only."""
-
-    count: jax.Array  # shape=(), int32: steps taken
-    key: jax.Array  # PRNG key (uint32[2]): the update decisions and noise
-    mu: optax.Updates | None  # like params; None when b1 == 0
     a: jax.Array  # (n,): diagonal of Q
     b: jax.Array  # (n,): anti-diagonal of Q (its middle entry stays 0 for odd n)
-    updates: jax.Array  # shape=(), int32: preconditioner updates so far
 
 
 def flip(x: jax.Array) -> jax.Array:
@@ -81,6 +77,37 @@ def xmat_update(
     return new_a, new_b
 
 
+def xmat_preconditioner(
+    step_normalizer_order: str = "2nd",
+) -> Preconditioner:
+    """XMat's :class:`~precond.jax._psgd_transform.Preconditioner`: all
+    parameters flattened into one vector; at the first fit with automatic
+    scaling, a is first multiplied by (Σv²/Σh²)^{1/4}."""
+
+    def init(params, scale):
+        flat, _ = ravel_pytree(params)
+        n = flat.shape[0]
+        dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
+        return XMatFactors(a=jnp.full((n,), scale, dtype), b=jnp.zeros((n,), dtype))
+
+    def fit(factors, h, v, lr, first, key):
+        a, b = factors
+        h = ravel_pytree(h)[0].astype(a.dtype)
+        if v is None:
+            v = jax.random.normal(key, h.shape, h.dtype)
+        else:
+            v = ravel_pytree(v)[0].astype(a.dtype)
+        scale = (jnp.sum(v * v) / (jnp.sum(h * h) + jnp.finfo(a.dtype).tiny)) ** 0.25
+        a = jnp.where(first, a * scale, a)
+        return XMatFactors(*xmat_update(a, b, v, h, lr, step_normalizer_order))
+
+    def apply(factors, m):
+        flat, unravel = ravel_pytree(m)
+        return unravel(xmat_precondition(*factors, flat.astype(factors.a.dtype)))
+
+    return Preconditioner(init, fit, apply)
+
+
 def scale_by_xmat(
     preconditioner_update_probability: float = 1.0,
     b1: float = 0.9,
@@ -100,7 +127,11 @@ def scale_by_xmat(
     with h = the raw gradient and v ~ N(0, I); at the first fit, when
     ``precond_init_scale`` is None, a is first scaled by (Σv²/Σh²)^{1/4}; (2)
     m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m̂ + (1−β₁)g/(1−β₁ⁿ));
-    (3) U = P·m̂, clipped to global norm ``update_global_norm_clip``.
+    (3) U = P·m̂, clipped to global norm ``update_global_norm_clip``. A NaN/Inf
+    gradient gives a zero update and leaves the state unchanged.
+
+    The state is a :class:`~precond.jax.PSGDState` whose ``preconditioner`` is
+    :class:`XMatFactors`.
 
     Args:
         preconditioner_update_probability: probability of fitting Q each step.
@@ -115,117 +146,26 @@ def scale_by_xmat(
         precision: matmul precision (accepted for psgd-jax compatibility; XMat
             has only elementwise work).
     """
-    check_real(
-        "preconditioner_update_probability",
+    check_psgd_arguments(
         preconditioner_update_probability,
-        low=0.0,
-        high=1.0,
+        b1,
+        precond_lr,
+        precond_init_scale,
+        update_global_norm_clip,
+        step_normalizer_order,
     )
-    check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
-    check_real(
-        "precond_lr", precond_lr, low=0.0, low_inclusive=False, allow_schedule=True
-    )
-    if precond_init_scale is not None:
-        check_real(
-            "precond_init_scale", precond_init_scale, low=0.0, low_inclusive=False
-        )
-    if update_global_norm_clip is not None:
-        check_real(
-            "update_global_norm_clip",
-            update_global_norm_clip,
-            low=0.0,
-            low_inclusive=False,
-        )
-    check_choice("step_normalizer_order", step_normalizer_order, STEP_NORMALIZER_ORDERS)
     del precision
-    keep_momentum = not (is_concrete_number(b1) and b1 == 0)
-
-    def init_fn(params):
-        flat, _ = ravel_pytree(params)
-        n = flat.shape[0]
-        dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
-        scale = 1.0 if precond_init_scale is None else precond_init_scale
-        if seed is None:
-            key = jax.random.PRNGKey(DEFAULT_SEED)
-        elif isinstance(seed, int):
-            key = jax.random.PRNGKey(seed)
-        else:
-            key = seed
-        mu = None
-        if keep_momentum:
-            mu = jax.tree.map(
-                lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
-            )
-        return XMatState(
-            count=jnp.zeros([], jnp.int32),
-            key=key,
-            mu=mu,
-            a=jnp.full((n,), scale, dtype),
-            b=jnp.zeros((n,), dtype),
-            updates=jnp.zeros([], jnp.int32),
-        )
-
-    def update_fn(updates, state: XMatState, params=None, **extra_args):
-        del params
-        newton = newton_arguments(updates, extra_args)
-        g, unravel = ravel_pytree(updates)
-        g = g.astype(state.a.dtype)
-        key, decision_key, noise_key = jax.random.split(state.key, 3)
-        if newton is not None:
-            h = ravel_pytree(newton["Hvp"])[0].astype(g.dtype)
-            v = ravel_pytree(newton["vector"])[0].astype(g.dtype)
-            do_update = jnp.asarray(newton["update_preconditioner"], bool)
-        else:
-            h, v = g, jax.random.normal(noise_key, g.shape, g.dtype)
-            do_update = (
-                jax.random.uniform(decision_key) < preconditioner_update_probability
-            )
-        lr = precond_lr(state.count) if callable(precond_lr) else precond_lr
-
-        def fit(ab):
-            a, b = ab
-            if precond_init_scale is None:
-                first = state.updates == 0
-                scale = (
-                    jnp.sum(v * v) / (jnp.sum(h * h) + jnp.finfo(g.dtype).tiny)
-                ) ** 0.25
-                a = jnp.where(first, a * scale, a)
-            return xmat_update(a, b, v, h, lr, step_normalizer_order)
-
-        a, b = jax.lax.cond(do_update, fit, lambda ab: ab, (state.a, state.b))
-        count = state.count + 1
-        if keep_momentum:
-            mu = jax.tree.map(
-                lambda m, u: (b1 * m + (1 - b1) * u).astype(m.dtype), state.mu, updates
-            )
-            correction = 1 - b1 ** count.astype(jnp.float32)
-            if nesterov:
-                m_hat = jax.tree.map(
-                    lambda m, u: b1 * m / correction + (1 - b1) * u / correction,
-                    mu,
-                    updates,
-                )
-            else:
-                m_hat = jax.tree.map(lambda m: m / correction, mu)
-            m_flat = ravel_pytree(m_hat)[0].astype(a.dtype)
-        else:
-            mu, m_flat = None, g
-        U = xmat_precondition(a, b, m_flat)
-        if update_global_norm_clip is not None:
-            norm = jnp.linalg.norm(U)
-            U = U * jnp.minimum(1.0, update_global_norm_clip / (norm + 1e-30))
-        new_updates = jax.tree.map(lambda u, x: u.astype(x.dtype), unravel(U), updates)
-        new_state = XMatState(
-            count=count,
-            key=key,
-            mu=mu,
-            a=a,
-            b=b,
-            updates=state.updates + do_update.astype(jnp.int32),
-        )
-        return new_updates, new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return scale_by_psgd(
+        xmat_preconditioner(step_normalizer_order),
+        preconditioner_update_probability=preconditioner_update_probability,
+        b1=b1,
+        nesterov=nesterov,
+        precond_lr=precond_lr,
+        precond_init_scale=precond_init_scale,
+        update_global_norm_clip=update_global_norm_clip,
+        seed=seed,
+        mu_dtype=mu_dtype,
+    )
 
 
 def xmat(

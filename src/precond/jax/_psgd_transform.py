@@ -1,0 +1,208 @@
+"""The optax skeleton shared by PSGD XMat, LRA and Affine (psgd-jax semantics).
+
+Each of them differs only in the preconditioner P = QᵀQ: how Q starts, how one
+fit on a pair (v, h) changes it, and how P is applied. :class:`Preconditioner`
+holds those three functions; :func:`scale_by_psgd` does the rest, the same for
+all of them:
+
+1. With probability p (or the caller's ``update_preconditioner`` flag in Newton
+   mode) fit Q to (v, h): Newton mode uses ``Hvp=h, vector=v``; whitening uses
+   h = the raw gradient and leaves v to the preconditioner (v ~ N(0, I), or
+   integrated out analytically).
+2. m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m̂ + (1−β₁)g/(1−β₁ⁿ)).
+3. U = P·m̂, clipped to the global norm ``update_global_norm_clip``.
+
+A step whose gradient (or Hvp) has a NaN or ±Inf entry returns zeros and leaves
+the state unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from precond._common.validation import check_choice, check_real, is_concrete_number
+from precond.jax.hessian import newton_arguments
+
+STEP_NORMALIZER_ORDERS = ("1st", "2nd")
+DEFAULT_SEED = 36  # psgd-jax's PRNGKey(36)
+
+
+class PSGDState(NamedTuple):
+    """State of :func:`scale_by_psgd` (XMat, LRA, Affine): arrays only."""
+
+    count: jax.Array  # shape=(), int32: steps taken
+    key: jax.Array  # PRNG key (uint32[2]): the update decisions and noise
+    mu: optax.Updates | None  # like params; None when b1 == 0
+    preconditioner: Any  # the optimizer's factors of Q (a NamedTuple of arrays)
+    updates: jax.Array  # shape=(), int32: preconditioner fits so far
+
+
+class Preconditioner(NamedTuple):
+    """The three functions that make one PSGD variant.
+
+    init(params, scale) -> factors: Q = scale·I (``scale`` is 1.0 when the caller
+        asked for automatic scaling; ``fit`` rescales at the first fit).
+    fit(factors, h, v, lr, first, key) -> factors: one step of Q on the pair
+        (v, h), pytrees like the gradients. ``v`` is None in whitening mode (the
+        preconditioner draws it from ``key`` or integrates it out). ``first`` (a
+        bool array) asks for the automatic initial scaling of Q from (v, h).
+    apply(factors, m) -> P·m, a pytree like m.
+    """
+
+    init: Callable[[Any, float], Any]
+    fit: Callable[[Any, Any, Any, Any, jax.Array, jax.Array], Any]
+    apply: Callable[[Any, Any], Any]
+
+
+def check_psgd_arguments(
+    preconditioner_update_probability,
+    b1,
+    precond_lr,
+    precond_init_scale,
+    update_global_norm_clip,
+    step_normalizer_order,
+) -> None:
+    """Construction-time checks of the arguments every PSGD variant shares."""
+    check_real(
+        "preconditioner_update_probability",
+        preconditioner_update_probability,
+        low=0.0,
+        high=1.0,
+    )
+    check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
+    check_real(
+        "precond_lr", precond_lr, low=0.0, low_inclusive=False, allow_schedule=True
+    )
+    if precond_init_scale is not None:
+        check_real(
+            "precond_init_scale", precond_init_scale, low=0.0, low_inclusive=False
+        )
+    if update_global_norm_clip is not None:
+        check_real(
+            "update_global_norm_clip",
+            update_global_norm_clip,
+            low=0.0,
+            low_inclusive=False,
+        )
+    check_choice("step_normalizer_order", step_normalizer_order, STEP_NORMALIZER_ORDERS)
+
+
+def key_from_seed(seed: jax.Array | int | None) -> jax.Array:
+    """A PRNG key from psgd-jax's ``seed`` argument (default PRNGKey(36))."""
+    if seed is None:
+        return jax.random.PRNGKey(DEFAULT_SEED)
+    if isinstance(seed, int):
+        return jax.random.PRNGKey(seed)
+    return seed
+
+
+def _all_finite(*trees) -> jax.Array:
+    leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def scale_by_psgd(
+    preconditioner: Preconditioner,
+    *,
+    preconditioner_update_probability: float,
+    b1: float,
+    nesterov: bool,
+    precond_lr: float | Callable,
+    precond_init_scale: float | None,
+    update_global_norm_clip: float | None,
+    seed: jax.Array | int | None,
+    mu_dtype: Any | None,
+) -> optax.GradientTransformationExtraArgs:
+    """The PSGD transformation around ``preconditioner`` (see the module docstring).
+
+    Arguments are validated by :func:`check_psgd_arguments` in the public
+    constructors (``scale_by_xmat`` etc.), which also build ``preconditioner``.
+    """
+    keep_momentum = not (is_concrete_number(b1) and b1 == 0)
+    auto_scale = precond_init_scale is None
+
+    def init_fn(params):
+        mu = None
+        if keep_momentum:
+            mu = jax.tree.map(
+                lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
+            )
+        scale = 1.0 if auto_scale else precond_init_scale
+        return PSGDState(
+            count=jnp.zeros([], jnp.int32),
+            key=key_from_seed(seed),
+            mu=mu,
+            preconditioner=preconditioner.init(params, scale),
+            updates=jnp.zeros([], jnp.int32),
+        )
+
+    def update_fn(updates, state: PSGDState, params=None, **extra_args):
+        del params
+        newton = newton_arguments(updates, extra_args)
+        key, decision_key, fit_key = jax.random.split(state.key, 3)
+        if newton is not None:
+            h, v = newton["Hvp"], newton["vector"]
+            do_update = jnp.asarray(newton["update_preconditioner"], bool)
+            finite = _all_finite(updates, h)
+        else:
+            h, v = updates, None
+            do_update = (
+                jax.random.uniform(decision_key) < preconditioner_update_probability
+            )
+            finite = _all_finite(updates)
+        lr = precond_lr(state.count) if callable(precond_lr) else precond_lr
+        first = (state.updates == 0) & auto_scale
+
+        def fit(factors):
+            return preconditioner.fit(factors, h, v, lr, first, fit_key)
+
+        factors = jax.lax.cond(
+            do_update & finite, fit, lambda f: f, state.preconditioner
+        )
+        count = state.count + 1
+        if keep_momentum:
+            mu = jax.tree.map(
+                lambda m, u: (b1 * m + (1 - b1) * u).astype(m.dtype), state.mu, updates
+            )
+            correction = 1 - b1 ** count.astype(jnp.float32)
+            if nesterov:
+                m_hat = jax.tree.map(
+                    lambda m, u: b1 * m / correction + (1 - b1) * u / correction,
+                    mu,
+                    updates,
+                )
+            else:
+                m_hat = jax.tree.map(lambda m: m / correction, mu)
+        else:
+            mu, m_hat = None, updates
+        U = preconditioner.apply(factors, m_hat)
+        if update_global_norm_clip is not None:
+            shrink = jnp.minimum(
+                1.0, update_global_norm_clip / (optax.global_norm(U) + 1e-30)
+            )
+            U = jax.tree.map(lambda u: u * shrink, U)
+        new_updates = jax.tree.map(
+            lambda u, g: jnp.where(finite, u, 0).astype(g.dtype), U, updates
+        )
+        new_state = PSGDState(
+            count=count,
+            key=key,
+            mu=mu,
+            preconditioner=factors,
+            updates=state.updates + (do_update & finite).astype(jnp.int32),
+        )
+        # A non-finite gradient leaves everything as it was (the fit is already
+        # skipped; momentum and counters are reverted here).
+        new_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), new_state, state
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
