@@ -45,8 +45,9 @@ class PSGDState(NamedTuple):
 class Preconditioner(NamedTuple):
     """The three functions that make one PSGD variant.
 
-    init(params, scale) -> factors: Q = scale·I (``scale`` is 1.0 when the caller
-        asked for automatic scaling; ``fit`` rescales at the first fit).
+    init(params, scale, key) -> factors: Q = scale·I (``scale`` is 1.0 when the
+        caller asked for automatic scaling; ``fit`` rescales at the first fit);
+        ``key`` for random initial factors.
     fit(factors, h, v, lr, first, key) -> factors: one step of Q on the pair
         (v, h), pytrees like the gradients. ``v`` is None in whitening mode (the
         preconditioner draws it from ``key`` or integrates it out). ``first`` (a
@@ -54,7 +55,7 @@ class Preconditioner(NamedTuple):
     apply(factors, m) -> P·m, a pytree like m.
     """
 
-    init: Callable[[Any, float], Any]
+    init: Callable[[Any, float, jax.Array], Any]
     fit: Callable[[Any, Any, Any, Any, jax.Array, jax.Array], Any]
     apply: Callable[[Any, Any], Any]
 
@@ -135,11 +136,12 @@ def scale_by_psgd(
                 lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
             )
         scale = 1.0 if auto_scale else precond_init_scale
+        key, init_key = jax.random.split(key_from_seed(seed))
         return PSGDState(
             count=jnp.zeros([], jnp.int32),
-            key=key_from_seed(seed),
+            key=key,
             mu=mu,
-            preconditioner=preconditioner.init(params, scale),
+            preconditioner=preconditioner.init(params, scale, init_key),
             updates=jnp.zeros([], jnp.int32),
         )
 

@@ -84,7 +84,8 @@ def xmat_preconditioner(
     parameters flattened into one vector; at the first fit with automatic
     scaling, a is first multiplied by (Σv²/Σh²)^{1/4}."""
 
-    def init(params, scale):
+    def init(params, scale, key):
+        del key
         flat, _ = ravel_pytree(params)
         n = flat.shape[0]
         dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
