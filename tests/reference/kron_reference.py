@@ -131,3 +131,60 @@ def balance_factors(Qs: Sequence[np.ndarray]) -> list[np.ndarray]:
     norms = np.array([np.max(np.abs(Q)) for Q in Qs])
     gamma = np.prod(norms) ** (1.0 / len(Qs))
     return [Q * (gamma / n) for Q, n in zip(Qs, norms, strict=True)]
+
+
+def procrustes_step(Q: np.ndarray) -> np.ndarray:
+    """Generation-2 'PRO' rotation (algorithms.md Part 1 §2, step 5): R = Qᵀ − Q,
+    R ← R/lb(R); a = min(−tr(RQ)/tr(R²Q), 1/8) if tr(R²Q) < 0 else 1/8;
+    Q ← Q + a·RQ + (a²/2)·R²Q."""
+    Q = np.asarray(Q, dtype=np.float64)
+    R = Q.T - Q
+    R = R / (norm_lower_bound(R) + TINY)
+    t1, t2 = np.trace(R @ Q), np.trace(R @ R @ Q)
+    a = min(-t1 / t2, 0.125) if t2 < 0 else 0.125
+    return Q + a * R @ Q + 0.5 * a * a * R @ R @ Q
+
+
+def update_factors_gen2(
+    Qs: Sequence[np.ndarray],
+    Ls: Sequence[float],
+    G: np.ndarray,
+    targets: Sequence[np.ndarray],
+    lr: float,
+    style: str,
+    lipschitz_decay: float = 0.95,
+) -> tuple[list[np.ndarray], list[float]]:
+    """One generation-2 step (algorithms.md Part 1 §2, steps 2-5), dense matrices.
+
+    Pg with vec(Pg) = P·vec(G); per axis T1 = Pg_(i)Pg_(i)ᵀ, E = T1 − T2 with the
+    target T2 (a matrix, or the diagonal as a vector for a diagonal factor);
+    ℓ = lb(T1) + lb(T2) (diagonal: max T1 + max T2), L ← max(β·L + (1−β)ℓ, ℓ),
+    μ = η/L. PRO: Q ← Procrustes(Q − μEQ), q ← q(1 − μE). QUAD: Q' = Q − (μ/2)EQ,
+    Q'' = Q' − (μ/2)Q'E, Q ← (Q'' + Q''ᵀ)/2, q ← q(1 − (μ/2)E)².
+    """
+    Pg = precondition(Qs, G)
+    new_Qs, new_Ls = [], []
+    for axis, (Q, L, T2) in enumerate(zip(Qs, Ls, targets, strict=True)):
+        Q = np.asarray(Q, dtype=np.float64)
+        T2 = np.asarray(T2, dtype=np.float64)
+        Pg_i = unfold(Pg, axis)
+        T1 = Pg_i @ Pg_i.T
+        if Q.ndim == 1:
+            T1 = np.diag(T1)
+            ell = np.max(T1) + np.max(T2)
+        else:
+            ell = norm_lower_bound(T1) + norm_lower_bound(T2)
+        L = max(lipschitz_decay * L + (1 - lipschitz_decay) * ell, ell)
+        mu = lr / (L + TINY)
+        E = T1 - T2
+        if Q.ndim == 1:
+            Q = Q * (1 - mu * E) if style == "PRO" else Q * (1 - 0.5 * mu * E) ** 2
+        elif style == "PRO":
+            Q = procrustes_step(Q - mu * E @ Q)
+        else:
+            Q = Q - 0.5 * mu * E @ Q
+            Q = Q - 0.5 * mu * Q @ E
+            Q = 0.5 * (Q + Q.T)
+        new_Qs.append(Q)
+        new_Ls.append(L)
+    return new_Qs, new_Ls

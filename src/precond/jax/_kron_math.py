@@ -18,6 +18,8 @@ alone, so steps that do not update the preconditioner skip recomputing QᵀQ.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -107,8 +109,11 @@ def add_damping_noise(
 def update_factors(
     Qs: Sequence[jax.Array],
     G: jax.Array,
-    V: jax.Array,
+    V: jax.Array | None,
     preconditioner_lr: jax.Array | float,
+    *,
+    step_normalizer_order: str = "2nd",
+    noise_grams: Sequence[jax.Array] | None = None,
 ) -> list[jax.Array]:
     """One PSGD step on the Kronecker factors, fitting P = ⊗ Q_iᵀQ_i to the pair (G, V).
 
@@ -123,22 +128,38 @@ def update_factors(
     P ≈ E[GGᵀ]^{-1/2} (whitening, V independent noise) or P ≈ H^{-1} (Newton,
     G = H·V) in the Kronecker-factored sense. ``G`` should already carry any
     damping noise (:func:`add_damping_noise`). Factors must be unpacked.
+
+    Args:
+        step_normalizer_order: '2nd' (above) or '1st': the step is normalised by
+            the gradient instead, η / (lb(triu(T1 − T2)) + tiny) (diagonal:
+            η / (max|T1 − T2| + tiny)).
+        noise_grams: per axis, a given T2 (a matrix, or the diagonal vector for a
+            diagonal factor) used instead of the one from V, e.g. E[T2] with V
+            integrated out (PSGD Affine); ``V`` is then not used and may be None.
     """
     A = apply_along_axes(Qs, G)
-    B = V
-    for axis, Q in enumerate(Qs):
-        B = solve_transposed_along_axis(Q, B, axis)
+    if noise_grams is None:
+        B = V
+        for axis, Q in enumerate(Qs):
+            B = solve_transposed_along_axis(Q, B, axis)
+    first_order = step_normalizer_order == "1st"
     new_Qs = []
     for axis, Q in enumerate(Qs):
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(A, axis, diagonal)
-        T2 = unfold_gram(B, axis, diagonal)
+        if noise_grams is None:
+            T2 = unfold_gram(B, axis, diagonal)
+        else:
+            T2 = noise_grams[axis]
         if diagonal:
-            step = preconditioner_lr / (jnp.max(jnp.abs(T1 + T2)) + TINY)
+            normalizer = jnp.abs(T1 - T2) if first_order else jnp.abs(T1 + T2)
+            step = preconditioner_lr / (jnp.max(normalizer) + TINY)
             new_Qs.append(Q - step * (T1 - T2) * Q)
         else:
-            step = preconditioner_lr / (norm_lower_bound(T1 + T2) + TINY)
-            new_Qs.append(Q - step * (jnp.triu(T1 - T2) @ Q))
+            gradient = jnp.triu(T1 - T2)
+            normalizer = gradient if first_order else T1 + T2
+            step = preconditioner_lr / (norm_lower_bound(normalizer) + TINY)
+            new_Qs.append(Q - step * (gradient @ Q))
     return new_Qs
 
 
@@ -199,3 +220,104 @@ def unpack_gram(packed: jax.Array) -> jax.Array:
     """The symmetric P = QᵀQ stored in a packed factor."""
     strict_lower = jnp.tril(packed[:-1], -1)
     return strict_lower + strict_lower.T + jnp.diag(packed[-1])
+
+
+# Generation-2 update rules (preconditioner_update_style): no triangular solves.
+UPDATE_STYLES = ("EQ", "QUAD", "PRO")
+# Smoothing β_L of the Lipschitz estimates L_i of the generation-2 rules.
+LIPSCHITZ_DECAY = 0.95
+# The Procrustes rotation step is at most this (its series is second order).
+MAX_PROCRUSTES_STEP = 0.125
+
+
+def whitening_targets(valid: Sequence[jax.Array], diagonal: Sequence[bool]):
+    """E[V_(i)V_(i)ᵀ] for V ~ N(0, I) on the real entries of a zero-padded block:
+    c_i·diag(valid_i), c_i = ∏_{j≠i} (number of real entries of axis j); vectors
+    for diagonal factors, matrices otherwise."""
+    counts = [jnp.sum(v.astype(jnp.float32)) for v in valid]
+    targets = []
+    for i, (v, diag) in enumerate(zip(valid, diagonal, strict=True)):
+        c = functools.reduce(operator.mul, counts[:i] + counts[i + 1 :], 1.0)
+        t = c * v.astype(jnp.float32)
+        targets.append(t if diag else jnp.diag(t))
+    return targets
+
+
+def procrustes_step(Q: jax.Array) -> jax.Array:
+    """Rotates Q toward the symmetric positive semi-definite polar factor of QᵀQ.
+
+    R = Qᵀ − Q (skew), normalised by a lower bound of ‖R‖₂; the rotation
+    exp(aR)·Q ≈ Q + aRQ + (a²/2)R²Q with a maximising tr(exp(aR)Q) to second
+    order, a = min(−tr(RQ)/tr(R²Q), 1/8) when tr(R²Q) < 0, else 1/8. It leaves
+    P = QᵀQ unchanged to second order in a.
+    """
+    R = Q.T - Q
+    R = R / (norm_lower_bound(R) + TINY)
+    RQ = R @ Q
+    RRQ = R @ RQ
+    tr_RQ, tr_RRQ = jnp.trace(RQ), jnp.trace(RRQ)
+    a = jnp.where(
+        tr_RRQ < 0,
+        jnp.minimum(-tr_RQ / jnp.where(tr_RRQ < 0, tr_RRQ, -1), MAX_PROCRUSTES_STEP),
+        MAX_PROCRUSTES_STEP,
+    )
+    return Q + a * RQ + (0.5 * a * a) * RRQ
+
+
+def update_factors_gen2(
+    Qs: Sequence[jax.Array],
+    lipschitz: Sequence[jax.Array],
+    G: jax.Array,
+    targets: Sequence[jax.Array],
+    preconditioner_lr: jax.Array | float,
+    style: str,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """One generation-2 PSGD step ('QUAD' or 'PRO'), fitting P = ⊗ Q_iᵀQ_i with
+    no triangular solves.
+
+    With Pg = P·G (current factors) and, per axis i, T1 = Pg_(i)Pg_(i)ᵀ and the
+    target T2 (E[V_(i)V_(i)ᵀ] in whitening, see :func:`whitening_targets`; the
+    sample V_(i)V_(i)ᵀ of the Newton vector), the fixed point T1 = T2 makes
+    P·E[GGᵀ]·P = I (whitening) or P = H⁻¹ (Newton). The step size is normalised by
+    a smoothed Lipschitz estimate ℓ = lb(T1) + lb(T2) (max for diagonal factors),
+    L_i ← max(β_L·L_i + (1 − β_L)·ℓ, ℓ), μ = η/L_i:
+
+        PRO:  Q ← Q − μ(T1 − T2)Q, then :func:`procrustes_step`;
+              q ← q⊙(1 − μ(T1 − T2)) for a diagonal factor.
+        QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
+              Q ← (Q'' + Q''ᵀ)/2 (Q stays symmetric);
+              q ← q⊙(1 − (μ/2)(T1 − T2))² for a diagonal factor.
+
+    ``G`` should already carry its damping noise. Returns the new factors and L_i.
+    """
+    Pg = precondition(Qs, G)
+    new_Qs, new_L = [], []
+    for axis, (Q, L, T2) in enumerate(zip(Qs, lipschitz, targets, strict=True)):
+        diagonal = is_diagonal(Q)
+        T1 = unfold_gram(Pg, axis, diagonal)
+        T2 = T2.astype(T1.dtype)
+        if diagonal:
+            ell = jnp.max(T1) + jnp.max(T2)
+        else:
+            ell = norm_lower_bound(T1) + norm_lower_bound(T2)
+        L = jnp.maximum(LIPSCHITZ_DECAY * L + (1 - LIPSCHITZ_DECAY) * ell, ell)
+        mu = preconditioner_lr / (L + TINY)
+        E = T1 - T2
+        if diagonal:
+            gain = 1 - (mu if style == "PRO" else 0.5 * mu) * E
+            Q = Q * (gain if style == "PRO" else gain * gain)
+        elif style == "PRO":
+            Q = procrustes_step(Q - mu * (E @ Q))
+        else:
+            Q = Q - (0.5 * mu) * (E @ Q)
+            Q = Q - (0.5 * mu) * (Q @ E)
+            Q = 0.5 * (Q + Q.T)
+        new_Qs.append(Q)
+        new_L.append(L.astype(jnp.asarray(lipschitz[axis]).dtype))
+    return new_Qs, new_L
+
+
+def add_relative_damping_noise(G: jax.Array, V: jax.Array) -> jax.Array:
+    """G̃ = G + (δ + ε·|G|)⊙V with δ = 1e-9 and ε the machine epsilon of G's
+    dtype: the generation-2 rules' elementwise damping (V zero on padding)."""
+    return G + (1e-9 + jnp.finfo(G.dtype).eps * jnp.abs(G)) * V

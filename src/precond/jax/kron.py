@@ -75,6 +75,9 @@ class KronState(NamedTuple):
     # triangular by preconditioner_cache: None (units, b, b) Q, 'packed'
     # (units, b + 1, b) Q with QᵀQ in its lower triangle, 'dense' (units, 2, b, b)
     update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
+    # Generation-2 styles only (None for 'EQ'): per stack, per axis, the (units,)
+    # float32 Lipschitz estimates L_i of the factor updates.
+    lipschitz: tuple | None = None
 
 
 def precond_update_prob_schedule(
@@ -129,6 +132,7 @@ def _validate(
     preconditioner_partition_spec,
     mesh,
     preconditioner_cache,
+    preconditioner_update_style,
     seed,
 ) -> None:
     check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
@@ -171,6 +175,9 @@ def _validate(
     ):
         raise ValueError(f"Invalid mesh={mesh!r}: must be a jax.sharding.Mesh or None")
     check_choice("preconditioner_cache", preconditioner_cache, PRECONDITIONER_CACHES)
+    check_choice(
+        "preconditioner_update_style", preconditioner_update_style, km.UPDATE_STYLES
+    )
     check_int("seed", seed)
 
 
@@ -190,11 +197,16 @@ def _factor_structure(stacks: list[StackPlan]) -> tuple:
 
 
 def _state_specs(
-    sharding: ShardingPlan, treedef: Any, factors: Any, keep_momentum: bool
+    sharding: ShardingPlan,
+    treedef: Any,
+    factors: Any,
+    keep_momentum: bool,
+    lipschitz: bool,
 ) -> KronState:
     """The PartitionSpec of every leaf of a KronState: momentum like its parameter,
-    factor stacks split along their unit axis, counters replicated. ``factors`` is
-    any pytree shaped like the state's preconditioners."""
+    factor stacks (and their Lipschitz estimates, if ``lipschitz``) split along
+    their unit axis, counters replicated. ``factors`` is any pytree shaped like the
+    state's preconditioners."""
     param_specs = sharding.param_specs
     if param_specs is None:
         param_specs = [PartitionSpec()] * treedef.num_leaves
@@ -203,6 +215,9 @@ def _state_specs(
         mu=treedef.unflatten(param_specs) if keep_momentum else None,
         preconditioners=jax.tree.map(lambda _: sharding.stack_spec, factors),
         update_counter=PartitionSpec(),
+        lipschitz=(
+            jax.tree.map(lambda _: sharding.stack_spec, factors) if lipschitz else None
+        ),
     )
 
 
@@ -234,9 +249,10 @@ def scale_by_kron(
     *,
     mesh: jax.sharding.Mesh | None = None,
     preconditioner_cache: str | None = "packed",
+    preconditioner_update_style: str = "EQ",
     seed: int = 42,
 ) -> optax.GradientTransformationExtraArgs:
-    """Scales updates by the PSGD Kron preconditioner (generation-1 update rule).
+    """Scales updates by the PSGD Kron preconditioner.
 
     Each step, with n the 1-based step count:
 
@@ -245,7 +261,8 @@ def scale_by_kron(
        1/p steps have passed since the last update), fit the factors: with
        probability 0.01 balance their norms, draw V ~ N(0, I), and take one
        :func:`precond.jax._kron_math.update_factors` step on
-       (m̂ + 2^-11.5·mean|m̂|·V, V).
+       (m̂ + 2^-11.5·mean|m̂|·V, V) (or a generation-2 step: see
+       ``preconditioner_update_style``).
     3. U = (⊗_i Q_iᵀQ_i)·m̂ with the updated factors, then U ← U / max(1, RMS(U)/1.1).
 
     An axis gets a diagonal factor if its size is 1 or exceeds
@@ -277,7 +294,9 @@ def scale_by_kron(
         preconditioner_lr: step size η of the factor updates.
         preconditioner_init_scale: initial P = s·I (each of k factors s^{1/k}·I).
         mu_dtype: momentum dtype (default: the gradient's).
-        precond_dtype: factor dtype (default float32).
+        precond_dtype: storage dtype of the factors (default float32). The
+            factors are updated and applied in at least float32, so bfloat16
+            halves their memory; prefer a generation-2 style with it.
         precond_update_precision: matmul precision of factor updates.
         precond_grads_precision: matmul precision of applying the preconditioner.
         scanned_layers: pytree of bools with the structure of the params (or a
@@ -319,6 +338,17 @@ def scale_by_kron(
             factor); ``'dense'`` stores it as its own d×d matrix (twice the factor
             memory, no unpacking: the fastest steps); None stores Q_i alone, as
             distributed-kron does, and applies Q_iᵀ(Q_i·) (twice the matmuls).
+        preconditioner_update_style: the factor-update rule. ``'EQ'``
+            (default, as distributed-kron): the generation-1 step of
+            :func:`precond.jax._kron_math.update_factors`, triangular Q with
+            triangular solves. ``'QUAD'`` and ``'PRO'``: generation-2 steps
+            (:func:`precond.jax._kron_math.update_factors_gen2`) that fit P·G̃
+            to unit covariance with matmuls only, the step normalised by a
+            smoothed Lipschitz estimate kept in ``KronState.lipschitz``, and the
+            elementwise damping G̃ = G + (1e-9 + ε·|G|)⊙V; 'QUAD' keeps Q
+            symmetric, 'PRO' keeps a full Q and rotates it toward symmetric with
+            a Procrustes step (its 'packed' cache is stored 'dense'). Balancing
+            and the update schedule are the same for every style.
         seed: seed of the noise and balancing decisions, which are drawn from
             ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly,
             and on any mesh (see :func:`unit_noise`).
@@ -345,10 +375,20 @@ def scale_by_kron(
         preconditioner_partition_spec=preconditioner_partition_spec,
         mesh=mesh,
         preconditioner_cache=preconditioner_cache,
+        preconditioner_update_style=preconditioner_update_style,
         seed=seed,
     )
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
+    # Factors are stored in precond_dtype (bfloat16 halves their memory) and
+    # updated and applied in at least float32.
+    compute_dtype = jnp.promote_types(precond_dtype, jnp.float32)
+    generation_2 = preconditioner_update_style != "EQ"
+    # Packing needs Q triangular ('EQ') or symmetric ('QUAD'); 'PRO' keeps a full
+    # Q, so its 'packed' cache is stored 'dense'.
+    cache = preconditioner_cache
+    if preconditioner_update_style == "PRO" and cache == "packed":
+        cache = "dense"
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
 
     def plan_tree(tree) -> tuple[Any, list[TensorPlan], list[StackPlan], ShardingPlan]:
@@ -385,24 +425,31 @@ def scale_by_kron(
         return treedef, plans, stacks, sharding
 
     def stored(Q: jax.Array) -> jax.Array:
-        """The state array of a triangular factor, in the chosen cache layout."""
-        if preconditioner_cache == "packed":
-            return km.pack_factor(Q)
-        if preconditioner_cache == "dense":
-            return jnp.stack([Q, km.factor_gram(Q)])
-        return Q
+        """The state array of a matrix factor, in the cache layout, precond_dtype."""
+        if cache == "packed":
+            Q = km.pack_factor(Q)
+        elif cache == "dense":
+            Q = jnp.stack([Q, km.factor_gram(Q)])
+        return Q.astype(precond_dtype)
 
     def factor_of(F: jax.Array) -> jax.Array:
         """Q_i (or the diagonal q_i) from a factor's state array."""
-        if F.ndim == 1 or preconditioner_cache is None:
+        F = F.astype(compute_dtype)
+        if F.ndim == 1 or cache is None:
             return F
-        return km.unpack_factor(F) if preconditioner_cache == "packed" else F[0]
+        if cache == "dense":
+            return F[0]
+        Q = km.unpack_factor(F)  # its upper triangle
+        if preconditioner_update_style == "QUAD":  # symmetric
+            Q = Q + jnp.triu(Q, 1).T
+        return Q
 
     def gram_of(F: jax.Array) -> jax.Array:
         """P_i = Q_iᵀQ_i from a cached factor's state array."""
+        F = F.astype(compute_dtype)
         if F.ndim == 1:
             return F * F
-        return km.unpack_gram(F) if preconditioner_cache == "packed" else F[1]
+        return km.unpack_gram(F) if cache == "packed" else F[1]
 
     def init_stack(stack: StackPlan, sharding: ShardingPlan) -> tuple[jax.Array, ...]:
         """Factors of every unit of a stack: s^{1/k}·I (or s^{1/k}·1) per axis."""
@@ -441,15 +488,27 @@ def scale_by_kron(
                 sharding.constrain(jnp.zeros([], jnp.int32), PartitionSpec())
                 for _ in range(2)
             )
+            lipschitz = None
+            if generation_2:
+                lipschitz = tuple(
+                    tuple(
+                        sharding.constrain(
+                            jnp.zeros(len(s.extents), jnp.float32), sharding.stack_spec
+                        )
+                        for _ in s.block_shape
+                    )
+                    for s in stacks
+                )
             return KronState(
                 count=count,
                 mu=mu,
                 preconditioners=tuple(init_stack(s, sharding) for s in stacks),
                 update_counter=update_counter,
+                lipschitz=lipschitz,
             )
 
         specs = _state_specs(
-            sharding, treedef, _factor_structure(stacks), keep_momentum
+            sharding, treedef, _factor_structure(stacks), keep_momentum, generation_2
         )
         return sharding.run(body, specs, params)
 
@@ -479,20 +538,22 @@ def scale_by_kron(
 
     def precondition_unit(factors, G):
         """U = P·G for one unit."""
-        if preconditioner_cache is None:
-            return km.precondition(factors, G)
+        if cache is None:
+            return km.precondition([factor_of(F) for F in factors], G)
         return km.precondition_with_grams([gram_of(F) for F in factors], G)
 
-    def fit_unit(factors, G, V, ids, extent, noise_key, balance):
+    def fit_unit(factors, lipschitz, G, V, ids, extent, noise_key, balance):
         """One factor update of one unit from the pair (G, V).
 
         Whitening (``V`` None): V is drawn (:func:`unit_noise`) and G gets damping
         noise. Newton: (G, V) = (H·v, v) as given. ``extent`` is the unit's real
         size per axis: padding beyond it holds zeros in G and V, gets no noise,
-        and is kept out of the damping scale and the balancing norms.
+        and is kept out of the damping scale, the balancing norms and the
+        generation-2 targets. Returns the new factors and Lipschitz estimates.
         """
         valid = [jnp.arange(size) < extent[i] for i, size in enumerate(G.shape)]
-        if V is None:
+        newton = V is not None
+        if not newton:
             inside = functools.reduce(
                 jnp.logical_and,
                 [
@@ -502,23 +563,49 @@ def scale_by_kron(
             )
             V = unit_noise(noise_key, ids[0], ids[1], G.shape, G.dtype)
             V = jnp.where(inside, V, 0)
-            G = km.add_damping_noise(G, V, jnp.maximum(jnp.prod(extent), 1))
+            if generation_2:
+                G = km.add_relative_damping_noise(G, V)
+            else:
+                G = km.add_damping_noise(G, V, jnp.maximum(jnp.prod(extent), 1))
         Qs = [factor_of(F) for F in factors]
         if len(Qs) > 1:
             balanced = km.balance_factors(Qs, valid)
             Qs = [jnp.where(balance, b, Q) for b, Q in zip(balanced, Qs, strict=True)]
-        Qs = km.update_factors(Qs, G, V, preconditioner_lr)
-        return tuple(Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs)
+        if generation_2:
+            diagonal = [km.is_diagonal(Q) for Q in Qs]
+            if newton:
+                targets = [km.unfold_gram(V, i, d) for i, d in enumerate(diagonal)]
+            else:
+                targets = km.whitening_targets(valid, diagonal)
+            Qs, lipschitz = km.update_factors_gen2(
+                Qs,
+                lipschitz,
+                G,
+                targets,
+                preconditioner_lr,
+                preconditioner_update_style,
+            )
+        else:
+            Qs = km.update_factors(Qs, G, V, preconditioner_lr)
+        factors = tuple(
+            Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs
+        )
+        return factors, lipschitz
 
-    def fit_stacks(stacks, sharding, all_factors, G_stacks, key, V_stacks=None):
+    def fit_stacks(
+        stacks, sharding, all_factors, all_lipschitz, G_stacks, key, V_stacks=None
+    ):
         """One factor update of every unit (the 'update' branch of step 2);
-        ``V_stacks`` are the Newton vectors (None: whitening)."""
+        ``V_stacks`` are the Newton vectors (None: whitening). Returns the new
+        factors and Lipschitz estimates (None for 'EQ') of every stack."""
         balance, noise_key = fit_randomness(key)
         if V_stacks is None:
             V_stacks = [None] * len(stacks)
-        new_factors = []
-        for stack, factors, G, V in zip(
-            stacks, all_factors, G_stacks, V_stacks, strict=True
+        if all_lipschitz is None:
+            all_lipschitz = [None] * len(stacks)
+        new_factors, new_lipschitz = [], []
+        for stack, factors, lipschitz, G, V in zip(
+            stacks, all_factors, all_lipschitz, G_stacks, V_stacks, strict=True
         ):
             with jax.named_scope("precond/kron/update_factors"):
                 ids = sharding.constrain(
@@ -528,18 +615,36 @@ def scale_by_kron(
                     jnp.asarray(stack.extents), sharding.stack_spec
                 )
 
-                def fit(factors, G, ids, extent, *newton_V):
+                def fit(factors, lipschitz, G, ids, extent, *newton_V):
                     V = newton_V[0] if newton_V else None
-                    return fit_unit(factors, G, V, ids, extent, noise_key, balance)
+                    return fit_unit(
+                        factors, lipschitz, G, V, ids, extent, noise_key, balance
+                    )
 
                 newton_V = () if V is None else (V,)
-                fitted = over_units(
-                    fit, sharding, tuple(factors), G, ids, extents, *newton_V
+                fitted, lipschitz = over_units(
+                    fit,
+                    sharding,
+                    tuple(factors),
+                    lipschitz,
+                    G,
+                    ids,
+                    extents,
+                    *newton_V,
                 )
                 new_factors.append(
                     tuple(sharding.constrain(F, sharding.stack_spec) for F in fitted)
                 )
-        return tuple(new_factors)
+                new_lipschitz.append(
+                    None
+                    if lipschitz is None
+                    else tuple(
+                        sharding.constrain(L, sharding.stack_spec) for L in lipschitz
+                    )
+                )
+        if not generation_2:
+            return tuple(new_factors), None
+        return tuple(new_factors), tuple(new_lipschitz)
 
     def check_state_layout(state: KronState, stacks: list[StackPlan]) -> None:
         want = [len(stack.extents) for stack in stacks]
@@ -569,7 +674,13 @@ def scale_by_kron(
             treedef.unflatten(
                 sharding.param_specs or [PartitionSpec()] * treedef.num_leaves
             ),
-            _state_specs(sharding, treedef, _factor_structure(stacks), keep_momentum),
+            _state_specs(
+                sharding,
+                treedef,
+                _factor_structure(stacks),
+                keep_momentum,
+                generation_2,
+            ),
         )
         return sharding.run(body, out_specs, updates, state, newton)
 
@@ -613,7 +724,7 @@ def scale_by_kron(
 
         def stacked(tensors):
             views = [
-                x.reshape(lead + plan.shape).astype(precond_dtype)
+                x.reshape(lead + plan.shape).astype(compute_dtype)
                 for x, plan, lead in zip(tensors, plans, leads, strict=True)
             ]
             # Gathered whole first: the SPMD partitioner moves a sharded tensor into
@@ -627,22 +738,28 @@ def scale_by_kron(
 
         mu_hat_stacks = stacked(mu_hats)
 
-        def fit(all_factors, mu_hat_stacks, newton):
+        def fit(preconditioner_state, mu_hat_stacks, newton):
             key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
             if newton is not None:  # fit P to the pairs (H·v, v)
                 hvp, vector = (
                     stacked(jax.tree.leaves(newton[name])) for name in ("Hvp", "vector")
                 )
-                return fit_stacks(stacks, sharding, all_factors, hvp, key, vector)
+                return fit_stacks(
+                    stacks, sharding, *preconditioner_state, hvp, key, vector
+                )
             targets = mu_hat_stacks if momentum_into_precond_update else stacked(grads)
-            return fit_stacks(stacks, sharding, all_factors, targets, key)
+            return fit_stacks(stacks, sharding, *preconditioner_state, targets, key)
+
+        def keep(preconditioner_state, *_):
+            factors, lipschitz = preconditioner_state
+            return tuple(factors), lipschitz
 
         with _matmul_precision(precond_update_precision):
-            all_factors = jax.lax.cond(
+            all_factors, lipschitz = jax.lax.cond(
                 do_update,
                 fit,
-                lambda factors, *_: tuple(factors),
-                state.preconditioners,
+                keep,
+                (state.preconditioners, state.lipschitz),
                 mu_hat_stacks,
                 newton,
             )
@@ -687,6 +804,7 @@ def scale_by_kron(
             mu=None if mus is None else treedef.unflatten(mus),
             preconditioners=all_factors,
             update_counter=update_counter,
+            lipschitz=lipschitz,
         )
         return (
             treedef.unflatten(sharding.constrain_params(new_updates)),
@@ -727,6 +845,7 @@ def kron(
     *,
     mesh: jax.sharding.Mesh | None = None,
     preconditioner_cache: str | None = "packed",
+    preconditioner_update_style: str = "EQ",
     seed: int = 42,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD Kron: ``chain(scale_by_kron, add_decayed_weights, scale_by_learning_rate)``.
@@ -771,6 +890,7 @@ def kron(
         preconditioner_partition_spec=preconditioner_partition_spec,
         mesh=mesh,
         preconditioner_cache=preconditioner_cache,
+        preconditioner_update_style=preconditioner_update_style,
         seed=seed,
     )
     return with_decay_and_learning_rate(
@@ -822,8 +942,13 @@ def get_opt_state_partition_specs(
     treedef = jax.tree.structure(params)
 
     def kron_specs(state: KronState) -> KronState:
-        has_mu = state.mu is not None
-        return _state_specs(sharding, treedef, state.preconditioners, has_mu)
+        return _state_specs(
+            sharding,
+            treedef,
+            state.preconditioners,
+            keep_momentum=state.mu is not None,
+            lipschitz=state.lipschitz is not None,
+        )
 
     return jax.tree.map(
         lambda x: kron_specs(x) if isinstance(x, KronState) else PartitionSpec(),
