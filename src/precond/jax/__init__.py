@@ -1,12 +1,14 @@
 """precond's JAX optimizers, as optax gradient transformations.
 
 ``kron`` / ``scale_by_kron`` (PSGD Kron), its update-probability schedule and
-``get_opt_state_partition_specs``; ``hessian_helper`` for Newton-mode fitting;
-``xmat`` / ``scale_by_xmat`` (PSGD XMat).
+``get_opt_state_partition_specs``; ``xmat``, ``low_rank_approximation`` (alias
+``lra``) and ``affine`` (PSGD XMat, LRA and Affine, with their ``scale_by_*``
+cores and ``PSGDState``); ``hessian_helper`` for Newton-mode fitting.
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
 from precond.jax._psgd_transform import PSGDState
+from precond.jax.affine import AFFINE_STATIC_ARGS, affine, scale_by_affine
 from precond.jax.hessian import hessian_helper
 from precond.jax.kron import (
     KRON_STATIC_ARGS,
@@ -16,17 +18,30 @@ from precond.jax.kron import (
     precond_update_prob_schedule,
     scale_by_kron,
 )
+from precond.jax.lra import (
+    LRA_STATIC_ARGS,
+    low_rank_approximation,
+    lra,
+    scale_by_lra,
+)
 from precond.jax.xmat import scale_by_xmat, xmat
 
 __all__ = [
+    "AFFINE_STATIC_ARGS",
     "KRON_STATIC_ARGS",
+    "LRA_STATIC_ARGS",
     "KronState",
     "PSGDState",
+    "affine",
     "get_opt_state_partition_specs",
     "hessian_helper",
     "kron",
+    "low_rank_approximation",
+    "lra",
     "precond_update_prob_schedule",
+    "scale_by_affine",
     "scale_by_kron",
+    "scale_by_lra",
     "scale_by_xmat",
     "xmat",
 ]

@@ -13,7 +13,8 @@ all of them:
 3. U = P·m̂, clipped to the global norm ``update_global_norm_clip``.
 
 A step whose gradient (or Hvp) has a NaN or ±Inf entry returns zeros and leaves
-the state unchanged.
+the state unchanged; a fit that overflows (a finite but huge gradient) keeps the
+old factors.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from precond._common.validation import check_choice, check_real, is_concrete_number
+from precond.jax._precision import MATMUL_PRECISIONS
 from precond.jax.hessian import newton_arguments
 
 STEP_NORMALIZER_ORDERS = ("1st", "2nd")
@@ -67,6 +69,7 @@ def check_psgd_arguments(
     precond_init_scale,
     update_global_norm_clip,
     step_normalizer_order,
+    precision,
 ) -> None:
     """Construction-time checks of the arguments every PSGD variant shares."""
     check_real(
@@ -91,6 +94,7 @@ def check_psgd_arguments(
             low_inclusive=False,
         )
     check_choice("step_normalizer_order", step_normalizer_order, STEP_NORMALIZER_ORDERS)
+    check_choice("precision", precision, MATMUL_PRECISIONS)
 
 
 def key_from_seed(seed: jax.Array | int | None) -> jax.Array:
@@ -168,6 +172,13 @@ def scale_by_psgd(
         factors = jax.lax.cond(
             do_update & finite, fit, lambda f: f, state.preconditioner
         )
+        # A finite but huge gradient can still overflow the fit: keep the old Q.
+        fit_finite = _all_finite(factors)
+        factors = jax.tree.map(
+            lambda new, old: jnp.where(fit_finite, new, old),
+            factors,
+            state.preconditioner,
+        )
         count = state.count + 1
         if keep_momentum:
             mu = jax.tree.map(
@@ -198,7 +209,7 @@ def scale_by_psgd(
             key=key,
             mu=mu,
             preconditioner=factors,
-            updates=state.updates + (do_update & finite).astype(jnp.int32),
+            updates=state.updates + (do_update & finite & fit_finite).astype(jnp.int32),
         )
         # A non-finite gradient leaves everything as it was (the fit is already
         # skipped; momentum and counters are reverted here).

@@ -8,7 +8,6 @@ triangular or diagonal factor Q_i per axis, fitted online so that P·m̂ is whit
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,18 +36,9 @@ from precond.jax._kron_sharding import (
     per_parameter,
     plan_sharding,
 )
+from precond.jax._precision import MATMUL_PRECISIONS, matmul_precision
 from precond.jax.hessian import newton_arguments
 
-# Precision names accepted by jax.default_matmul_precision.
-MATMUL_PRECISIONS = (
-    None,
-    "default",
-    "high",
-    "highest",
-    "bfloat16",
-    "tensorfloat32",
-    "float32",
-)
 # Layouts of the cached P_i = Q_iᵀQ_i (see scale_by_kron's preconditioner_cache).
 PRECONDITIONER_CACHES = ("packed", "dense", None)
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
@@ -181,12 +171,6 @@ def _validate(
     check_int("seed", seed)
 
 
-def _matmul_precision(precision: str | None):
-    if precision is None:
-        return contextlib.nullcontext()
-    return jax.default_matmul_precision(precision)
-
-
 def _saturating_increment(count: jax.Array) -> jax.Array:
     return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
 
@@ -277,9 +261,10 @@ def scale_by_kron(
     (H·v, v) instead, without damping noise, so that P → H⁻¹ in the
     Kronecker-factored sense; ``flag`` replaces the update probability.
 
-    Non-finite gradients: if any gradient entry is NaN or ±Inf the whole step is
-    skipped: the returned update is zero and the state (momentum, factors, counts)
-    is returned unchanged, so one bad batch never corrupts the preconditioner.
+    Non-finite gradients: if any gradient (or Hvp) entry is NaN or ±Inf the whole
+    step is skipped: the returned update is zero and the state (momentum, factors,
+    counts) is returned unchanged, so one bad batch never corrupts the
+    preconditioner.
 
     Args:
         b1: momentum decay β₁ in [0, 1); 0 keeps no momentum.
@@ -688,7 +673,8 @@ def scale_by_kron(
         grads = sharding.constrain_params(jax.tree.leaves(updates))
         # A step with a NaN/Inf gradient keeps the old state and returns zeros. The
         # guard is fused into the elementwise work (no whole-state select or cond).
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
+        checked = grads if newton is None else grads + jax.tree.leaves(newton["Hvp"])
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked]))
         count = jnp.where(finite, _saturating_increment(state.count), state.count)
         if keep_momentum:
             mus = [
@@ -754,7 +740,7 @@ def scale_by_kron(
             factors, lipschitz = preconditioner_state
             return tuple(factors), lipschitz
 
-        with _matmul_precision(precond_update_precision):
+        with matmul_precision(precond_update_precision):
             all_factors, lipschitz = jax.lax.cond(
                 do_update,
                 fit,
@@ -765,7 +751,7 @@ def scale_by_kron(
             )
 
         with (
-            _matmul_precision(precond_grads_precision),
+            matmul_precision(precond_grads_precision),
             jax.named_scope("precond/kron/precondition"),
         ):
             U_stacks = [

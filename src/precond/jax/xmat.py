@@ -93,6 +93,8 @@ def xmat_preconditioner(
 
     def fit(factors, h, v, lr, first, key):
         a, b = factors
+        if a.shape[0] == 0:  # no parameters: nothing to fit (max needs entries)
+            return factors
         h = ravel_pytree(h)[0].astype(a.dtype)
         if v is None:
             v = jax.random.normal(key, h.shape, h.dtype)
@@ -154,6 +156,7 @@ def scale_by_xmat(
         precond_init_scale,
         update_global_norm_clip,
         step_normalizer_order,
+        precision,
     )
     del precision
     return scale_by_psgd(

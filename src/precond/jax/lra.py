@@ -1,0 +1,332 @@
+"""PSGD LRA as an optax transformation: ``low_rank_approximation`` (``lra``) and
+``scale_by_lra``.
+
+Drop-in for ``psgd_jax.low_rank_approximation``: same argument names and
+defaults. All parameters are flattened into one vector of n entries,
+preconditioned by P = QᵀQ with the "UVd" factor Q = (I + UVᵀ)·diag(d), U, V ∈
+R^{n×r} (Li 2022, arXiv:2211.04422): n(2r + 1) numbers of state (+ n momentum),
+O(nr) work per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.flatten_util import ravel_pytree
+
+from precond._common.validation import check_int
+from precond.jax._alias import with_decay_and_learning_rate
+from precond.jax._precision import matmul_precision
+from precond.jax._psgd_transform import (
+    Preconditioner,
+    check_psgd_arguments,
+    scale_by_psgd,
+)
+
+# Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
+# them as ``static_args`` to ``optax.inject_hyperparams``.
+LRA_STATIC_ARGS = ("uvd_rank_of_approximation", "seed")
+BALANCE_PROBABILITY = 0.01  # chance per fit of rebalancing ‖U‖ and ‖V‖
+UPDATE_U_PROBABILITY = 0.5  # chance per fit of stepping U (else V)
+
+
+class LRAFactors(NamedTuple):
+    """Q = (I + UVᵀ)·diag(d) over all parameters flattened (n entries)."""
+
+    U: jax.Array  # (n, r): left low-rank factor
+    V: jax.Array  # (n, r): right low-rank factor
+    d: jax.Array  # (n,): diagonal factor
+
+
+def _branch(pred, true_fn, false_fn, *operands):
+    """``true_fn(*operands)`` if pred else ``false_fn(*operands)``: a Python
+    branch for a Python bool, else ``lax.cond`` (only the taken side runs)."""
+    if isinstance(pred, bool):
+        return true_fn(*operands) if pred else false_fn(*operands)
+    return jax.lax.cond(pred, true_fn, false_fn, *operands)
+
+
+def lra_precondition(
+    U: jax.Array, V: jax.Array, d: jax.Array, g: jax.Array
+) -> jax.Array:
+    """P·g = QᵀQ·g = d⊙(I + VUᵀ)(I + UVᵀ)(d⊙g), in O(nr)."""
+    x = d * g
+    y = x + U @ (V.T @ x)
+    return d * (y + V @ (U.T @ y))
+
+
+def _rank2_spectral_norm(a, c, b, e):
+    """‖a cᵀ − b eᵀ‖₂ from 2×2 Gram matrices: the largest eigenvalue of
+    [a b]ᵀ[a b]·[c −e]ᵀ[c −e] is the squared norm."""
+    aa, ab, bb = a @ a, a @ b, b @ b
+    cc, ce, ee = c @ c, c @ e, e @ e
+    trace = jnp.maximum(aa * cc - 2 * ab * ce + bb * ee, 0)
+    det = (aa * bb - ab * ab) * (cc * ee - ce * ce)
+    return jnp.sqrt(trace / 2 + jnp.sqrt(jnp.maximum(trace * trace / 4 - det, 0)))
+
+
+def lra_update(
+    U: jax.Array,
+    V: jax.Array,
+    d: jax.Array,
+    v: jax.Array,
+    h: jax.Array,
+    precond_lr: jax.Array | float,
+    step_normalizer_order: str = "2nd",
+    *,
+    update_u: bool | jax.Array,
+    balance: bool | jax.Array,
+) -> LRAFactors:
+    """One PSGD step of Q = (I + UVᵀ)·diag(d) on the pair (v, h) (h ≈ H·v).
+
+    If ``balance``: ρ = sqrt(‖U‖_F/‖V‖_F), U ← U/ρ, V ← V·ρ (Q unchanged; skipped
+    if U or V is 0). With
+    a = Qh, b = Q⁻ᵀv = (I + VUᵀ)⁻¹(v/d) and P⁻¹v = diag(1/d)(I + UVᵀ)⁻¹b (Woodbury,
+    r×r solves), and Ph = d⊙(I + VUᵀ)a:
+
+    - d ← d − μ·d⊙∇d, ∇d = Ph⊙h − v⊙P⁻¹v, μ = η·min(rsqrt(Ph² + v²)·rsqrt(h² +
+      (P⁻¹v)²)) ('2nd') or η/max|∇d| ('1st');
+    - with E = aaᵀ − bbᵀ (a, b from before the d step), either (``update_u``)
+      Q ← (I − μ·EVVᵀ)Q, i.e. U ← U − μ(a(aᵀV) − b(bᵀV))(I + VᵀU), or
+      Q ← (I − μ·UUᵀE)Q, i.e. V ← V − μ[(a + VUᵀa)(aᵀU) − (b + VUᵀb)(bᵀU)]; with
+      the rank-2 gradient G = EVVᵀ (or UUᵀE), μ = η/(‖a‖‖VVᵀa‖ + ‖b‖‖VVᵀb‖)
+      (or UUᵀ; '2nd', a bound of ‖G‖₂ by its two terms) or η/‖G‖₂ ('1st', the
+      exact spectral norm, as max|∇d| = ‖diag(∇d)‖₂ for d).
+    """
+    tiny = jnp.finfo(d.dtype).tiny
+
+    def rebalance(U, V):
+        norm_u, norm_v = jnp.linalg.norm(U), jnp.linalg.norm(V)
+        # A zero factor is left as is (ρ = 0 or ∞ would zero both or give NaN).
+        rho = jnp.where(
+            (norm_u > 0) & (norm_v > 0), jnp.sqrt(norm_u / jnp.maximum(norm_v, tiny)), 1
+        )
+        return U / rho, V * rho
+
+    U, V = _branch(balance, rebalance, lambda U, V: (U, V), U, V)
+    r = U.shape[1]
+    eye = jnp.eye(r, dtype=d.dtype)
+    UtV = U.T @ V
+    a = d * h
+    a = a + U @ (V.T @ a)  # Qh
+    Ph = d * (a + V @ (U.T @ a))
+    w = v / d
+    b = w - V @ jnp.linalg.solve(eye + UtV, U.T @ w)  # Q⁻ᵀv
+    iPv = (b - U @ jnp.linalg.solve(eye + UtV.T, V.T @ b)) / d  # P⁻¹v = Q⁻¹Q⁻ᵀv
+
+    grad_d = Ph * h - v * iPv
+    if step_normalizer_order == "2nd":
+        mu = precond_lr * jnp.min(
+            jax.lax.rsqrt(Ph * Ph + v * v + tiny)
+            * jax.lax.rsqrt(h * h + iPv * iPv + tiny)
+        )
+    else:
+        mu = precond_lr / (jnp.max(jnp.abs(grad_d)) + tiny)
+    d = d - mu * d * grad_d
+
+    def step_u(U, V):
+        aV, bV = a @ V, b @ V
+        c, e = V @ aV, V @ bV  # VVᵀa, VVᵀb
+        if step_normalizer_order == "2nd":
+            norm = jnp.linalg.norm(a) * jnp.linalg.norm(c)
+            norm += jnp.linalg.norm(b) * jnp.linalg.norm(e)
+        else:
+            norm = _rank2_spectral_norm(a, c, b, e)
+        mu = precond_lr / (norm + tiny)
+        right = eye + UtV.T  # I + VᵀU
+        step = jnp.outer(a, aV @ right) - jnp.outer(b, bV @ right)
+        return U - mu * step, V
+
+    def step_v(U, V):
+        aU, bU = a @ U, b @ U
+        c, e = U @ aU, U @ bU  # UUᵀa, UUᵀb
+        if step_normalizer_order == "2nd":
+            norm = jnp.linalg.norm(a) * jnp.linalg.norm(c)
+            norm += jnp.linalg.norm(b) * jnp.linalg.norm(e)
+        else:
+            norm = _rank2_spectral_norm(a, c, b, e)
+        mu = precond_lr / (norm + tiny)
+        step = jnp.outer(a + V @ aU, aU) - jnp.outer(b + V @ bU, bU)
+        return U, V - mu * step
+
+    U, V = _branch(update_u, step_u, step_v, U, V)
+    return LRAFactors(U, V, d)
+
+
+def fit_randomness(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The random decisions of one fit from its key: (balance, update_u, v_key)
+    with P(balance) = 0.01, P(update_u) = 0.5, and v ~ N(0, I) drawn from v_key."""
+    decision_key, v_key = jax.random.split(key)
+    draws = jax.random.uniform(decision_key, (2,))
+    return draws[0] < BALANCE_PROBABILITY, draws[1] < UPDATE_U_PROBABILITY, v_key
+
+
+def lra_preconditioner(
+    rank: int = 10,
+    step_normalizer_order: str = "2nd",
+    precision: str | None = "tensorfloat32",
+) -> Preconditioner:
+    """LRA's :class:`~precond.jax._psgd_transform.Preconditioner`: all parameters
+    flattened into one vector of n entries; r = min(rank, n) (r = n columns can
+    already hold any n×n UVᵀ, more only cost memory and bigger solves);
+    U, V ~ N(0, 1)/sqrt(n(r + 10)), d = scale; at the first fit with automatic
+    scaling, d is first multiplied by (Σv²/Σh²)^{1/4}."""
+
+    def init(params, scale, key):
+        flat, _ = ravel_pytree(params)
+        n = flat.shape[0]
+        dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
+        r = min(rank, n)
+        u_key, v_key = jax.random.split(key)
+        std = 1 / (n * (r + 10)) ** 0.5 if n else 0.0
+        return LRAFactors(
+            U=std * jax.random.normal(u_key, (n, r), dtype),
+            V=std * jax.random.normal(v_key, (n, r), dtype),
+            d=jnp.full((n,), scale, dtype),
+        )
+
+    def fit(factors, h, v, lr, first, key):
+        U, V, d = factors
+        if d.shape[0] == 0:  # no parameters: nothing to fit (min/max need entries)
+            return factors
+        balance, update_u, v_key = fit_randomness(key)
+        h = ravel_pytree(h)[0].astype(d.dtype)
+        if v is None:
+            v = jax.random.normal(v_key, h.shape, h.dtype)
+        else:
+            v = ravel_pytree(v)[0].astype(d.dtype)
+        scale = (jnp.sum(v * v) / (jnp.sum(h * h) + jnp.finfo(d.dtype).tiny)) ** 0.25
+        d = jnp.where(first, d * scale, d)
+        with matmul_precision(precision), jax.named_scope("precond/lra/update"):
+            return lra_update(
+                U,
+                V,
+                d,
+                v,
+                h,
+                lr,
+                step_normalizer_order,
+                update_u=update_u,
+                balance=balance,
+            )
+
+    def apply(factors, m):
+        flat, unravel = ravel_pytree(m)
+        with matmul_precision(precision), jax.named_scope("precond/lra/precondition"):
+            return unravel(lra_precondition(*factors, flat.astype(factors.d.dtype)))
+
+    return Preconditioner(init, fit, apply)
+
+
+def scale_by_lra(
+    preconditioner_update_probability: float = 1.0,
+    b1: float = 0.9,
+    nesterov: bool = False,
+    uvd_rank_of_approximation: int = 10,
+    precond_lr: float | Callable = 0.1,
+    precond_init_scale: float | None = None,
+    update_global_norm_clip: float | None = None,
+    step_normalizer_order: str = "2nd",
+    seed: jax.Array | int | None = None,
+    mu_dtype: Any | None = None,
+    precision: str | None = "tensorfloat32",
+) -> optax.GradientTransformationExtraArgs:
+    """Scales updates by the PSGD LRA preconditioner P = QᵀQ, Q = (I + UVᵀ)diag(d).
+
+    Each step: (1) with probability p fit Q to (v, h) (:func:`lra_update`):
+    Newton mode with ``update(..., Hvp=h, vector=v, update_preconditioner=flag)``,
+    else whitening with h = the raw gradient and v ~ N(0, I); at the first fit,
+    when ``precond_init_scale`` is None, d is first scaled by (Σv²/Σh²)^{1/4};
+    (2) m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m̂ + (1−β₁)g/(1−β₁ⁿ));
+    (3) U = P·m̂ = d⊙(I + VUᵀ)(I + UVᵀ)(d⊙m̂), clipped to global norm
+    ``update_global_norm_clip``. A NaN/Inf gradient gives a zero update and leaves
+    the state unchanged. Memory: n(2r + 1) for Q, + n momentum.
+
+    The state is a :class:`~precond.jax.PSGDState` whose ``preconditioner`` is
+    :class:`LRAFactors`.
+
+    Args:
+        preconditioner_update_probability: probability of fitting Q each step.
+        b1: momentum decay in [0, 1); 0 keeps no momentum.
+        nesterov: Nesterov momentum.
+        uvd_rank_of_approximation: rank r of U and V (at most n is used).
+        precond_lr: step size η of the fit (float or schedule of the step).
+        precond_init_scale: initial d = s (Q ≈ s·I); None: scaled from the first fit.
+        update_global_norm_clip: clip U to this global norm (None: no clip).
+        step_normalizer_order: '2nd' or '1st' (see :func:`lra_update`).
+        seed: PRNG key or int (default psgd-jax's PRNGKey(36)), kept in the state.
+        mu_dtype: momentum dtype (default the gradients').
+        precision: matmul precision of the fit and of P·m̂ (a
+            ``jax.default_matmul_precision`` name; None: JAX's default).
+
+    References:
+        Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
+    """
+    check_psgd_arguments(
+        preconditioner_update_probability,
+        b1,
+        precond_lr,
+        precond_init_scale,
+        update_global_norm_clip,
+        step_normalizer_order,
+        precision,
+    )
+    check_int("uvd_rank_of_approximation", uvd_rank_of_approximation, low=1)
+    return scale_by_psgd(
+        lra_preconditioner(uvd_rank_of_approximation, step_normalizer_order, precision),
+        preconditioner_update_probability=preconditioner_update_probability,
+        b1=b1,
+        nesterov=nesterov,
+        precond_lr=precond_lr,
+        precond_init_scale=precond_init_scale,
+        update_global_norm_clip=update_global_norm_clip,
+        seed=seed,
+        mu_dtype=mu_dtype,
+    )
+
+
+def low_rank_approximation(
+    learning_rate: float | Callable = 0.01,
+    preconditioner_update_probability: float = 1.0,
+    b1: float = 0.9,
+    nesterov: bool = False,
+    uvd_rank_of_approximation: int = 10,
+    weight_decay: float = 0.0,
+    mask: Any | Callable | None = None,
+    precond_lr: float | Callable = 0.1,
+    precond_init_scale: float | None = None,
+    update_global_norm_clip: float | None = None,
+    step_normalizer_order: str = "2nd",
+    seed: jax.Array | int | None = None,
+    mu_dtype: Any | None = None,
+    precision: str | None = "tensorfloat32",
+) -> optax.GradientTransformationExtraArgs:
+    """PSGD LRA: ``chain(scale_by_lra, add_decayed_weights, scale_by_learning_rate)``.
+
+    θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_lra` (see it for the
+    other arguments).
+
+    Example:
+        >>> optimizer = low_rank_approximation(learning_rate=0.01)  # doctest: +SKIP
+    """
+    core = scale_by_lra(
+        preconditioner_update_probability=preconditioner_update_probability,
+        b1=b1,
+        nesterov=nesterov,
+        uvd_rank_of_approximation=uvd_rank_of_approximation,
+        precond_lr=precond_lr,
+        precond_init_scale=precond_init_scale,
+        update_global_norm_clip=update_global_norm_clip,
+        step_normalizer_order=step_normalizer_order,
+        seed=seed,
+        mu_dtype=mu_dtype,
+        precision=precision,
+    )
+    return with_decay_and_learning_rate(core, learning_rate, weight_decay, mask)
+
+
+lra = low_rank_approximation

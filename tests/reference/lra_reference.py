@@ -1,0 +1,79 @@
+"""Float64 NumPy reference of PSGD LRA with explicit matrices (algorithms.md §1b).
+
+Q = (I + UVᵀ)·diag(d), P = QᵀQ, E = aaᵀ − bbᵀ, VVᵀ and UUᵀ are built as n×n
+matrices and inverses come from ``np.linalg.solve``; each step is the Lie-group
+step of Q it stands for (Q ← Q·(I − μ·diag(∇d)), Q ← (I − μ·EVVᵀ)·Q,
+Q ← (I − μ·UUᵀE)·Q), and the new factor is read back from the new Q. Written
+from the math, not from the O(nr) vector formulas the implementation uses.
+"""
+
+import numpy as np
+
+
+def q_matrix(U, V, d):
+    """Q = (I + UVᵀ)·diag(d)."""
+    return (np.eye(len(d)) + U @ V.T) @ np.diag(d)
+
+
+def p_matrix(U, V, d):
+    """P = QᵀQ."""
+    Q = q_matrix(U, V, d)
+    return Q.T @ Q
+
+
+def precondition(U, V, d, g):
+    return p_matrix(U, V, d) @ g
+
+
+def balance(U, V):
+    """U/ρ, V·ρ with ρ = sqrt(‖U‖_F/‖V‖_F): UVᵀ (so Q) unchanged."""
+    rho = np.sqrt(np.linalg.norm(U) / np.linalg.norm(V))
+    return U / rho, V * rho
+
+
+def update(U, V, d, v, h, lr, order="2nd", *, update_u, balance_first=False):
+    """One fit of Q to (v, h): d step, then the U step or the V step."""
+    if balance_first:
+        U, V = balance(U, V)
+    n = len(d)
+    eye = np.eye(n)
+    Q = q_matrix(U, V, d)
+    P = Q.T @ Q
+    a = Q @ h
+    b = np.linalg.solve(Q.T, v)
+    Ph = P @ h
+    iPv = np.linalg.solve(P, v)
+
+    # d step: the relative gradient of E[hᵀPh + vᵀP⁻¹v] over Q → Q(I + Δ), Δ
+    # diagonal, is diag(Ph·hᵀ − P⁻¹v·vᵀ); Q ← Q(I − μ·diag(∇d)).
+    grad_d = np.diag(np.outer(Ph, h) - np.linalg.solve(P, np.outer(v, v))).copy()
+    if order == "2nd":
+        mu = lr * np.min(1 / np.sqrt(Ph**2 + v**2) / np.sqrt(h**2 + iPv**2))
+    else:
+        mu = lr / np.max(np.abs(grad_d))
+    Q = Q @ (eye - mu * np.diag(grad_d))
+    # Read d back: Q = (I + UVᵀ)·diag(d_new).
+    d_new = np.diag(np.linalg.solve(eye + U @ V.T, Q)).copy()
+
+    E = np.outer(a, a) - np.outer(b, b)
+    if update_u:
+        G = E @ V @ V.T  # the gradient restricted to moves of U
+        second = np.linalg.norm(a) * np.linalg.norm(V @ V.T @ a) + np.linalg.norm(
+            b
+        ) * np.linalg.norm(V @ V.T @ b)
+    else:
+        G = U @ U.T @ E  # the gradient restricted to moves of V
+        second = np.linalg.norm(a) * np.linalg.norm(U @ U.T @ a) + np.linalg.norm(
+            b
+        ) * np.linalg.norm(U @ U.T @ b)
+    mu = lr / second if order == "2nd" else lr / np.linalg.norm(G, 2)
+    Q = (eye - mu * G) @ Q
+    # Read the moved factor back from Q·diag(d)⁻¹ − I = U'Vᵀ (or UV'ᵀ).
+    low_rank = Q @ np.diag(1 / d_new) - eye
+    if update_u:
+        U = np.linalg.lstsq(V, low_rank.T, rcond=None)[0].T
+    else:
+        V = np.linalg.lstsq(U, low_rank, rcond=None)[0].T
+    # The step keeps Q in the family (I + UVᵀ)·diag(d): read-back is exact.
+    assert np.allclose(U @ V.T, low_rank, rtol=0, atol=1e-12 * np.abs(low_rank).max())
+    return U, V, d_new
