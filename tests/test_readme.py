@@ -6,11 +6,17 @@ import re
 README = pathlib.Path(__file__).parents[1] / "README.md"
 
 
-def test_readme_jax_example_trains():
+def _python_block(marker: str) -> str:
+    """The README's one python example that contains ``marker``."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README.md has no python example"
+    matching = [block for block in blocks if marker in block]
+    assert len(matching) == 1, f"{len(matching)} README examples contain {marker!r}"
+    return matching[0]
+
+
+def test_readme_jax_example_trains():
     namespace: dict = {}
-    exec(blocks[0], namespace)  # the README's own example
+    exec(_python_block("pj.kron(learning_rate=1e-3"), namespace)  # the first example
     jnp = namespace["jnp"]
     x = jnp.linspace(-1, 1, 32 * 64).reshape(32, 64)
     y = jnp.tanh(x[:, :10])
@@ -26,9 +32,8 @@ def test_readme_sharded_example_trains_with_split_factors():
     import jax
     from jax.sharding import PartitionSpec as P
 
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     namespace: dict = {}
-    exec(blocks[1], namespace)  # the "Sharded training" example
+    exec(_python_block("jax.set_mesh"), namespace)  # the "Sharded training" example
     jnp, mesh = namespace["jnp"], namespace["mesh"]
     params, state = namespace["params"], namespace["state"]
     x = jnp.linspace(-1, 1, 64 * 512).reshape(64, 512)
@@ -45,3 +50,10 @@ def test_readme_sharded_example_trains_with_split_factors():
     assert factors[-1].addressable_shards[0].data.shape[0] == 2
     assert factors[-1].sharding.spec[0] in (("fsdp", "tp"), "fsdp")
     assert params["layers"].sharding.spec == P(None, "fsdp", "tp")
+
+
+def test_readme_hessian_example_solves_in_one_fitted_step(capsys):
+    namespace: dict = {}
+    exec(_python_block("hessian_helper"), namespace)  # the XMat/HVP example
+    # psgd-jax's README: loss ≈ 0 one step after the first fit (P = H⁻¹ = I/2).
+    assert float(capsys.readouterr().out) < 1e-10
