@@ -11,7 +11,15 @@ from precond.bench import cli
 from precond.bench.optimizers import OPTIMIZERS
 from precond.bench.report import format_table, json_document
 from precond.bench.runner import RunResult
-from precond.bench.workloads import batch_indices, get_workload, load_digits_split
+from precond.bench.workloads import (
+    CHAR_LM_CONTEXT,
+    batch_indices,
+    char_lm_logits,
+    char_lm_text,
+    get_workload,
+    load_char_lm_split,
+    load_digits_split,
+)
 
 
 def _rows(x: np.ndarray) -> set[bytes]:
@@ -40,6 +48,78 @@ def test_digits_split_is_deterministic_and_disjoint():
     assert first.y_train.dtype == np.int32
 
 
+def test_char_lm_split_is_deterministic_shifted_and_disjoint():
+    first, again = load_char_lm_split(0), load_char_lm_split(0)
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
+    assert first.x_train.dtype == first.y_train.dtype == np.int32
+    assert first.x_train.shape[1] == CHAR_LM_CONTEXT
+    assert first.x_train.min() >= 0
+    assert first.x_train.max() < 256
+    # Targets are the inputs shifted by one byte.
+    np.testing.assert_array_equal(first.x_train[:, 1:], first.y_train[:, :-1])
+    np.testing.assert_array_equal(first.x_test[:, 1:], first.y_test[:, :-1])
+    # The train and test windows are a partition of all windows of the text.
+    data = np.frombuffer(char_lm_text(), dtype=np.uint8)
+    n = (len(data) - 1) // CHAR_LM_CONTEXT
+    assert len(first.x_train) + len(first.x_test) == n
+    assert len(first.x_test) == round(0.1 * n)
+    windows = [
+        data[i * CHAR_LM_CONTEXT : (i + 1) * CHAR_LM_CONTEXT + 1].astype(np.int32)
+        for i in range(n)
+    ]
+    split_windows = [
+        np.append(x, y[-1])
+        for xs, ys in ((first.x_train, first.y_train), (first.x_test, first.y_test))
+        for x, y in zip(xs, ys)
+    ]
+    assert sorted(w.tobytes() for w in windows) == sorted(
+        w.tobytes() for w in split_windows
+    )
+
+
+def test_char_lm_starts_at_uniform_loss_is_causal_and_learns():
+    import jax
+    import optax
+
+    workload = get_workload("char-lm")
+    split = workload.load_split(workload.split_seed)
+    params = workload.init_params(0)
+    x, y = split.x_train[:8], split.y_train[:8]
+
+    # Position t sees only bytes <= t: changing the last byte of the input changes
+    # no earlier logit.
+    changed = x.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % 256
+    logits = jax.jit(char_lm_logits)
+    a, b = np.asarray(logits(params, x)), np.asarray(logits(params, changed))
+    np.testing.assert_allclose(a[:, :-1], b[:, :-1], atol=1e-5)
+    assert not np.allclose(a[:, -1], b[:, -1])
+
+    metrics = jax.jit(workload.metrics)(params, x, y)
+    assert abs(float(metrics["loss"]) - np.log(256)) < 0.05
+    assert float(metrics["bits_per_byte"]) == pytest.approx(
+        float(metrics["loss"]) / np.log(2), rel=1e-6
+    )
+    assert 0.0 <= float(metrics["accuracy"]) <= 1.0
+
+    optimizer = optax.adamw(1e-2)
+    state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, state):
+        value, grads = jax.value_and_grad(workload.loss)(params, x, y)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    losses = []
+    for _ in range(11):  # the loss before each update
+        params, state, value = step(params, state)
+        losses.append(float(value))
+    assert losses[0] == pytest.approx(float(metrics["loss"]), abs=1e-4)
+    assert losses[-1] < losses[0] - 1.0
+
+
 def test_batch_indices_are_deterministic_epochs():
     batches = batch_indices(n_rows=10, batch_size=4, steps=5, seed=3)
     np.testing.assert_array_equal(batches, batch_indices(10, 4, 5, seed=3))
@@ -64,6 +144,8 @@ def test_tiny_run_writes_consistent_json(tmp_path, capsys):
             "--batch-size",
             "32",
             "--no-progress",
+            "--workloads",
+            "digits-mlp",
             "--lr",
             "kron=5e-4",
             "--json",
@@ -107,6 +189,7 @@ def test_tiny_run_writes_consistent_json(tmp_path, capsys):
 
 def test_progress_bar_goes_to_stderr(capsys):
     argv = ["bench", "--steps", "3", "--batch-size", "16", "--optimizers", "adamw"]
+    argv += ["--workloads", "digits-mlp"]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     assert "digits-mlp adamw" in captured.err
@@ -165,6 +248,7 @@ def test_list_names_every_optimizer(capsys):
             for line in out.splitlines()
         )
     assert "digits-mlp" in out
+    assert "char-lm" in out
 
 
 def test_help_documents_every_flag(capsys):
