@@ -115,6 +115,20 @@ def _typed_sharding(x: Any) -> NamedSharding | None:
     return None
 
 
+def explicit_specs(tree: Any) -> Any | None:
+    """Each leaf's PartitionSpec from its type (``PartitionSpec()`` if it has
+    none) when some leaf lives on a mesh with Explicit axes; None otherwise."""
+    leaves, treedef = jax.tree.flatten(tree)
+    shardings = [_typed_sharding(x) for x in leaves]
+    if not any(
+        s is not None and AxisType.Explicit in s.mesh.axis_types for s in shardings
+    ):
+        return None
+    return treedef.unflatten(
+        [PartitionSpec() if s is None else s.spec for s in shardings]
+    )
+
+
 def _mesh_from_leaves(leaves: Sequence[Any]) -> Any:
     for x in leaves:
         sharding = _typed_sharding(x)

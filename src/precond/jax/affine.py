@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from precond._common.validation import check_int
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
+from precond.jax._kron_sharding import explicit_specs
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
@@ -168,31 +169,14 @@ def integrates_noise_out(factors: AffineFactors) -> bool:
     return km.is_diagonal(factors.left) or km.is_diagonal(factors.right)
 
 
-def _explicit_specs(tree: Any) -> Any | None:
-    """Each leaf's PartitionSpec from its type when some leaf of ``tree`` is on a
-    mesh with Explicit axes (sharding in types); None otherwise."""
-    leaves, treedef = jax.tree.flatten(tree)
-    shardings = [getattr(jax.typeof(x), "sharding", None) for x in leaves]
-    explicit = any(
-        isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types
-        for s in shardings
-    )
-    if not explicit:
-        return None
-    specs = [
-        s.spec if isinstance(s, NamedSharding) else PartitionSpec() for s in shardings
-    ]
-    return treedef.unflatten(specs)
-
-
 def _with_auto_axes(body: Callable, out_like: Any, *args) -> Any:
     """``body(*args)``; on an explicit mesh under ``auto_axes`` (the compiler
     places the per-leaf matrix work, as on an auto mesh), with outputs sharded
     like ``out_like`` (a tree with the outputs' structure)."""
-    specs = _explicit_specs(args)
+    specs = explicit_specs(args)
     if specs is None:
         return body(*args)
-    out_specs = _explicit_specs(out_like)
+    out_specs = explicit_specs(out_like)
     if out_specs is None:
         out_specs = jax.tree.map(lambda _: PartitionSpec(), out_like)
     return jax.sharding.auto_axes(body, out_sharding=out_specs)(*args)
