@@ -124,12 +124,24 @@ def scale_by_psgd(
     update_global_norm_clip: float | None,
     seed: jax.Array | int | None,
     mu_dtype: Any | None,
+    step_normalizer_order: str,
+    precision: str | None,
 ) -> optax.GradientTransformationExtraArgs:
     """The PSGD transformation around ``preconditioner`` (see the module docstring).
 
-    Arguments are validated by :func:`check_psgd_arguments` in the public
-    constructors (``scale_by_xmat`` etc.), which also build ``preconditioner``.
+    Checks the shared arguments (:func:`check_psgd_arguments`) at construction;
+    ``step_normalizer_order`` and ``precision`` are only checked here (the
+    preconditioner, built by the caller, uses them).
     """
+    check_psgd_arguments(
+        preconditioner_update_probability,
+        b1,
+        precond_lr,
+        precond_init_scale,
+        update_global_norm_clip,
+        step_normalizer_order,
+        precision,
+    )
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None
 

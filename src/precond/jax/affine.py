@@ -32,7 +32,6 @@ from precond.jax._kron_sharding import explicit_specs
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
-    check_psgd_arguments,
     scale_by_psgd,
 )
 
@@ -341,15 +340,6 @@ def scale_by_affine(
     Example:
         >>> optimizer = scale_by_affine()  # doctest: +SKIP
     """
-    check_psgd_arguments(
-        preconditioner_update_probability,
-        b1,
-        precond_lr,
-        precond_init_scale,
-        update_global_norm_clip,
-        step_normalizer_order,
-        precision,
-    )
     check_affine_arguments(max_size_triangular, max_skew_triangular)
     return scale_by_psgd(
         affine_preconditioner(
@@ -363,6 +353,8 @@ def scale_by_affine(
         update_global_norm_clip=update_global_norm_clip,
         seed=seed,
         mu_dtype=mu_dtype,
+        step_normalizer_order=step_normalizer_order,
+        precision=precision,
     )
 
 

@@ -23,7 +23,6 @@ from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
-    check_psgd_arguments,
     scale_by_psgd,
 )
 
@@ -128,28 +127,25 @@ def lra_update(
         mu = precond_lr / (jnp.max(jnp.abs(grad_d)) + tiny)
     d = d - mu * d * grad_d
 
-    def step_u(U, V):
-        aV, bV = a @ V, b @ V
-        c, e = V @ aV, V @ bV  # VVᵀa, VVᵀb
+    def step_size(c, e):
+        """η over ‖a cᵀ − b eᵀ‖₂: bounded by its two terms ('2nd') or exact."""
         if step_normalizer_order == "2nd":
             norm = jnp.linalg.norm(a) * jnp.linalg.norm(c)
             norm += jnp.linalg.norm(b) * jnp.linalg.norm(e)
         else:
             norm = _rank2_spectral_norm(a, c, b, e)
-        mu = precond_lr / (norm + tiny)
+        return precond_lr / (norm + tiny)
+
+    def step_u(U, V):
+        aV, bV = a @ V, b @ V
+        mu = step_size(V @ aV, V @ bV)  # VVᵀa, VVᵀb
         right = eye + UtV.T  # I + VᵀU
         step = jnp.outer(a, aV @ right) - jnp.outer(b, bV @ right)
         return U - mu * step, V
 
     def step_v(U, V):
         aU, bU = a @ U, b @ U
-        c, e = U @ aU, U @ bU  # UUᵀa, UUᵀb
-        if step_normalizer_order == "2nd":
-            norm = jnp.linalg.norm(a) * jnp.linalg.norm(c)
-            norm += jnp.linalg.norm(b) * jnp.linalg.norm(e)
-        else:
-            norm = _rank2_spectral_norm(a, c, b, e)
-        mu = precond_lr / (norm + tiny)
+        mu = step_size(U @ aU, U @ bU)  # UUᵀa, UUᵀb
         step = jnp.outer(a + V @ aU, aU) - jnp.outer(b + V @ bU, bU)
         return U, V - mu * step
 
@@ -266,15 +262,6 @@ def scale_by_lra(
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
     """
-    check_psgd_arguments(
-        preconditioner_update_probability,
-        b1,
-        precond_lr,
-        precond_init_scale,
-        update_global_norm_clip,
-        step_normalizer_order,
-        precision,
-    )
     check_int("uvd_rank_of_approximation", uvd_rank_of_approximation, low=1)
     return scale_by_psgd(
         lra_preconditioner(uvd_rank_of_approximation, step_normalizer_order, precision),
@@ -286,6 +273,8 @@ def scale_by_lra(
         update_global_norm_clip=update_global_norm_clip,
         seed=seed,
         mu_dtype=mu_dtype,
+        step_normalizer_order=step_normalizer_order,
+        precision=precision,
     )
 
 

@@ -19,7 +19,6 @@ from jax.flatten_util import ravel_pytree
 from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._psgd_transform import (
     Preconditioner,
-    check_psgd_arguments,
     scale_by_psgd,
 )
 
@@ -149,16 +148,6 @@ def scale_by_xmat(
         precision: matmul precision (accepted for psgd-jax compatibility; XMat
             has only elementwise work).
     """
-    check_psgd_arguments(
-        preconditioner_update_probability,
-        b1,
-        precond_lr,
-        precond_init_scale,
-        update_global_norm_clip,
-        step_normalizer_order,
-        precision,
-    )
-    del precision
     return scale_by_psgd(
         xmat_preconditioner(step_normalizer_order),
         preconditioner_update_probability=preconditioner_update_probability,
@@ -169,6 +158,8 @@ def scale_by_xmat(
         update_global_norm_clip=update_global_norm_clip,
         seed=seed,
         mu_dtype=mu_dtype,
+        step_normalizer_order=step_normalizer_order,
+        precision=precision,
     )
 
 
