@@ -103,6 +103,33 @@ def merge_dims(
     return best_groups
 
 
+def merge_small_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+    """Google Shampoo's greedy merge of adjacent small dims (``best_effort_shape_
+    interpretation``): walking left to right, multiply dims into the current one
+    while the product stays <= ``max_dim``; size-1 dims vanish; an all-ones shape
+    becomes (1,). Kron's :func:`merge_dims` searches for the best cut instead;
+    Shampoo keeps this rule so that it plans exactly as the optimizer it replaces.
+
+    Example:
+        >>> merge_small_dims((1, 2, 512, 1, 2048, 1, 3, 4), 1024)
+        (1024, 2048, 12)
+    """
+    shape = tuple(int(d) for d in shape)
+    if shape and all(d == 1 for d in shape):
+        return (1,)
+    merged, product = [], 1
+    for d in shape:
+        if product * d <= max_dim:
+            product *= d
+        else:
+            if product > 1:
+                merged.append(product)
+            product = d
+    if product > 1:
+        merged.append(product)
+    return tuple(merged)
+
+
 def _product(values) -> int:
     result = 1
     for value in values:

@@ -8,6 +8,11 @@ Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
 from precond.jax._psgd_transform import PSGDState
+from precond.jax._shampoo_math import (
+    matrix_inverse_pth_root,
+    matrix_inverse_pth_root_eigh,
+    power_iteration,
+)
 from precond.jax.affine import AFFINE_STATIC_ARGS, affine, scale_by_affine
 from precond.jax.hessian import hessian_helper
 from precond.jax.kron import (
@@ -24,20 +29,39 @@ from precond.jax.lra import (
     lra,
     scale_by_lra,
 )
+from precond.jax.shampoo import (
+    SHAMPOO_STATIC_ARGS,
+    GraftingType,
+    ShampooState,
+    TrainingMetrics,
+    distributed_shampoo,
+    distributed_shampoo_partition_specs,
+    distributed_shampoo_state_shapes,
+)
 from precond.jax.xmat import scale_by_xmat, xmat
 
 __all__ = [
     "AFFINE_STATIC_ARGS",
     "KRON_STATIC_ARGS",
     "LRA_STATIC_ARGS",
+    "SHAMPOO_STATIC_ARGS",
+    "GraftingType",
     "KronState",
     "PSGDState",
+    "ShampooState",
+    "TrainingMetrics",
     "affine",
+    "distributed_shampoo",
+    "distributed_shampoo_partition_specs",
+    "distributed_shampoo_state_shapes",
     "get_opt_state_partition_specs",
     "hessian_helper",
     "kron",
     "low_rank_approximation",
     "lra",
+    "matrix_inverse_pth_root",
+    "matrix_inverse_pth_root_eigh",
+    "power_iteration",
     "precond_update_prob_schedule",
     "scale_by_affine",
     "scale_by_kron",

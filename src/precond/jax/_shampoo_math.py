@@ -1,0 +1,223 @@
+"""Shampoo's matrix kernels: top eigenvalue, inverse p-th roots, quantization.
+
+Single-matrix functions (arrays in, arrays out); the optimizer vmaps them over
+stacks of equal-sized statistics. Symbols: ``A`` the (damped) statistics matrix,
+``H ≈ A^{-1/p}`` its inverse p-th root, ``M = H^p·A`` (→ I as H converges).
+
+References:
+    N. J. Higham, *Functions of Matrices*, SIAM 2008, §7.3 (coupled Newton
+    iteration for the inverse p-th root, eq. 7.18).
+    R. Anil et al., *Scalable Second Order Optimization for Deep Learning*, 2020.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# The relative ridge is ε·max(λ_max, LAMBDA_FLOOR): a zero matrix still gets εI·1e-6.
+LAMBDA_FLOOR = 1e-6
+# A coupled-Newton step may raise the error a little before it falls; a larger rise
+# means divergence, and the previous iterate is returned.
+DIVERGENCE_FACTOR = 1.2
+_QUANTIZED_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.int16): 32767.0}
+
+
+def root_dtype() -> jnp.dtype:
+    """float64 when JAX's x64 mode is on, else float32: roots need the precision."""
+    return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+
+
+def _matmul(a, b, precision):
+    return jnp.matmul(a, b, precision=precision)
+
+
+def _matrix_power(x: jax.Array, p: int, precision) -> jax.Array:
+    """x^p for a static integer p >= 1, by repeated squaring."""
+    result, square = None, x
+    while True:
+        if p & 1:
+            result = square if result is None else _matmul(result, square, precision)
+        p >>= 1
+        if not p:
+            return result
+        square = _matmul(square, square, precision)
+
+
+def power_iteration(
+    matrix: jax.Array,
+    num_iters: int = 100,
+    error_tolerance: float = 1e-6,
+    precision=lax.Precision.HIGHEST,
+) -> tuple[jax.Array, jax.Array]:
+    """The top eigenpair (v, λ) of a symmetric PSD matrix by power iteration.
+
+    v ← A·v / ‖A·v‖, λ = vᵀA·v, until λ moves by at most ``error_tolerance`` or
+    ``num_iters`` iterations. The start vector is fixed (deterministic on every
+    device), uniform in [-1, 1] per entry.
+
+    Returns:
+        The unit eigenvector and the eigenvalue estimate, in ``matrix.dtype``.
+    """
+    n = matrix.shape[-1]
+    start = np.random.default_rng(1729).uniform(-1.0, 1.0, n)
+    v0 = jnp.asarray(start, matrix.dtype)
+
+    def keep_going(carry):
+        i, _, _, moving = carry
+        return (i < num_iters) & moving
+
+    def step(carry):
+        i, v, eigenvalue, _ = carry
+        v = _unit(v)
+        av = _matmul(matrix, v, precision)
+        new_eigenvalue = jnp.dot(v, av, precision=precision)
+        moving = jnp.abs(new_eigenvalue - eigenvalue) > error_tolerance
+        return i + 1, av, new_eigenvalue, moving
+
+    carry = (0, v0, jnp.zeros((), matrix.dtype), jnp.asarray(True))
+    _, v, eigenvalue, _ = lax.while_loop(keep_going, step, carry)
+    return _unit(v), eigenvalue
+
+
+def _unit(v):
+    """v/‖v‖, or v itself when it is 0 (A·v = 0 for a zero matrix)."""
+    norm = jnp.linalg.norm(v)
+    return v / jnp.where(norm > 0, norm, 1)
+
+
+def _relative_ridge(ridge_epsilon, top_eigenvalue):
+    return ridge_epsilon * jnp.maximum(top_eigenvalue, LAMBDA_FLOOR)
+
+
+def matrix_inverse_pth_root(
+    matrix: jax.Array,
+    p: int,
+    num_iters: int = 100,
+    ridge_epsilon: float = 1e-6,
+    error_tolerance: float = 1e-6,
+    precision=lax.Precision.HIGHEST,
+) -> tuple[jax.Array, jax.Array]:
+    """(A + ε'I)^{-1/p} of a symmetric PSD matrix by the coupled Newton iteration.
+
+    With ε' = ε·max(λ_max, 1e-6) (λ_max by :func:`power_iteration`) and
+    A' = A + ε'I, start from z = (1+p)/(2‖A'‖_F), M = z·A', H = z^{1/p}·I and repeat
+
+        T = (1 + 1/p)·I − M/p,   M ← T^p·M,   H ← H·T
+
+    while e = max|M − I| > ``error_tolerance`` (at most ``num_iters`` times); M → I
+    and H → A'^{-1/p}. If a step raises e by more than 1.2× the iteration has
+    diverged and the previous H is returned. Runs in float64 when x64 is enabled.
+
+    Args:
+        matrix: (n, n) symmetric PSD matrix.
+        p: the root, a static Python int >= 1.
+
+    Returns:
+        (H, e): the root in ``matrix.dtype`` and the final error max|M − I|
+        (float32; NaN or large when the root failed and must not be used).
+    """
+    n = matrix.shape[-1]
+    work = matrix.astype(root_dtype())
+    _, top = power_iteration(work, error_tolerance=1e-6, precision=precision)
+    ridge = _relative_ridge(ridge_epsilon, top)
+    if n == 1:
+        root = (work + ridge) ** (-1.0 / p)
+        return root.astype(matrix.dtype), jnp.zeros((), jnp.float32)
+    identity = jnp.eye(n, dtype=work.dtype)
+    damped = work + ridge * identity
+    z = (1 + p) / (2 * jnp.linalg.norm(damped))
+    m0 = z * damped
+    h0 = z ** (1.0 / p) * identity
+    e0 = jnp.max(jnp.abs(m0 - identity))
+
+    def keep_going(carry):
+        i, _, _, _, error, improving = carry
+        return (i < num_iters) & (error > error_tolerance) & improving
+
+    def step(carry):
+        i, m, h, _, error, _ = carry
+        t = (1 + 1.0 / p) * identity - m / p
+        new_m = _matmul(_matrix_power(t, p, precision), m, precision)
+        new_h = _matmul(h, t, precision)
+        new_error = jnp.max(jnp.abs(new_m - identity))
+        return i + 1, new_m, new_h, h, new_error, new_error < DIVERGENCE_FACTOR * error
+
+    carry = (0, m0, h0, h0, e0, jnp.asarray(True))
+    _, m, h, previous_h, _, improving = lax.while_loop(keep_going, step, carry)
+    root = jnp.where(improving, h, previous_h)
+    error = jnp.max(jnp.abs(m - identity)).astype(jnp.float32)
+    return root.astype(matrix.dtype), error
+
+
+def matrix_inverse_pth_root_eigh(
+    matrix: jax.Array,
+    p: int,
+    ridge_epsilon: float = 1e-6,
+    precision=lax.Precision.HIGHEST,
+) -> tuple[jax.Array, jax.Array]:
+    """(A + ε'I)^{-1/p} by an eigendecomposition, ε' = ε·max(λ_max, 1e-6).
+
+    A = U·diag(λ)·Uᵀ gives H = U·diag((max(λ, 0) + ε')^{-1/p})·Uᵀ (rounding can
+    make the smallest λ slightly negative; they are clipped at 0). Slower than
+    the Newton iteration on accelerators, but exact up to rounding at any
+    condition number. Runs in float64 when x64 is enabled.
+
+    Returns:
+        (H, e): the root in ``matrix.dtype`` and the decomposition's relative
+        residual e = max|U·diag(λ)·Uᵀ − A| / max(λ_max, 1e-30) (float32; NaN when
+        A is not finite). Unlike max|H^p·A − I|, e does not grow with the
+        condition number, so a correct root of an ill-conditioned A passes.
+    """
+    work = matrix.astype(root_dtype())
+    eigenvalues, vectors = jnp.linalg.eigh(work)
+    ridge = _relative_ridge(ridge_epsilon, eigenvalues[-1])
+    scales = (jnp.maximum(eigenvalues, 0) + ridge) ** (-1.0 / p)
+    root = _matmul(vectors * scales, vectors.T, precision)
+    rebuilt = _matmul(vectors * eigenvalues, vectors.T, precision)
+    error = jnp.max(jnp.abs(rebuilt - work)) / jnp.maximum(eigenvalues[-1], 1e-30)
+    return root.astype(matrix.dtype), error.astype(jnp.float32)
+
+
+class QuantizedArray(NamedTuple):
+    """A float array stored as int8/int16 with one float32 scale per column.
+
+    ``dequantize`` gives values·scales (+ diag(diagonal)). Symmetric matrices keep
+    their diagonal apart in float32 (it dominates and would waste the range).
+    """
+
+    values: jax.Array  # (..., m, n) int8 or int16
+    scales: jax.Array  # (..., n) float32: max |column| / 127 or / 32767
+    diagonal: jax.Array | None  # (..., n) float32, or None
+
+
+def quantize(x: jax.Array, dtype, *, extract_diagonal: bool = False) -> QuantizedArray:
+    """Symmetric per-column quantization of ``x`` (rank >= 2) to int8 or int16.
+
+    scale_j = max_i |x_ij| / q_max (q_max = 127 or 32767; a zero column gets scale
+    1) and q_ij = round(x_ij / scale_j), so |q·scale − x| <= scale/2 entrywise.
+    With ``extract_diagonal`` (square matrices) the diagonal is kept exactly in
+    float32 and only the off-diagonal part is quantized.
+    """
+    dtype = jnp.dtype(dtype)
+    x = x.astype(jnp.float32)
+    diagonal = None
+    if extract_diagonal:
+        diagonal = jnp.diagonal(x, axis1=-2, axis2=-1)
+        x = x - diagonal[..., None] * jnp.eye(x.shape[-1], dtype=x.dtype)
+    scales = jnp.max(jnp.abs(x), axis=-2) / _QUANTIZED_MAX[dtype]
+    scales = jnp.where(scales == 0, 1.0, scales)
+    values = jnp.round(x / scales[..., None, :]).astype(dtype)
+    return QuantizedArray(values, scales, diagonal)
+
+
+def dequantize(q: QuantizedArray) -> jax.Array:
+    """The float32 array that ``q`` stores."""
+    x = q.values.astype(jnp.float32) * q.scales[..., None, :]
+    if q.diagonal is not None:
+        x = x + q.diagonal[..., None] * jnp.eye(x.shape[-1], dtype=x.dtype)
+    return x
