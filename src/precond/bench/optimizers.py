@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Decoupled weight decay λ shared by every optimizer (optax.adamw's default), applied
-# as θ ← θ − lr·(u + λθ) by both AdamW and Kron.
+# as θ ← θ − lr·(u + λθ) by AdamW, Kron and Shampoo.
 DEFAULT_WEIGHT_DECAY = 1e-4
 
 
@@ -40,6 +40,31 @@ def _make_kron(learning_rate, weight_decay: float):
     return kron(learning_rate=learning_rate, weight_decay=weight_decay)
 
 
+def make_shampoo(learning_rate, weight_decay: float, **kwargs):
+    """``precond.jax.distributed_shampoo`` with decoupled weight decay.
+
+    Block size 128 and RMSProp-normalized grafting unless ``kwargs`` say otherwise
+    (any other ``distributed_shampoo`` argument may be given too). Shampoo's own
+    ``weight_decay`` is coupled (added to the direction before momentum), so it is
+    left at 0 and the decay is applied as Kron and AdamW apply it: Shampoo runs at
+    learning rate 1 (its update is then −v), and ``chain(scale(−1),
+    add_decayed_weights(λ), scale_by_learning_rate(lr))`` turns −v into
+    −lr·(v + λθ).
+    """
+    import optax
+
+    from precond.jax import GraftingType, distributed_shampoo
+
+    options = {"block_size": 128, "graft_type": GraftingType.RMSPROP_NORMALIZED}
+    shampoo = distributed_shampoo(learning_rate=1.0, **(options | kwargs))
+    return optax.chain(
+        shampoo,
+        optax.scale(-1.0),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
 def _make_adamw(learning_rate, weight_decay: float):
     import optax
 
@@ -60,6 +85,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             description="AdamW (optax.adamw), β=(0.9, 0.999), ε=1e-8",
             default_lr=3e-3,
             make=_make_adamw,
+        ),
+        OptimizerSpec(
+            name="shampoo",
+            description="Distributed Shampoo (precond.jax.distributed_shampoo), "
+            "block 128, RMSProp-normalized grafting, decoupled weight decay",
+            default_lr=1e-3,
+            make=make_shampoo,
         ),
     )
 }

@@ -3,12 +3,15 @@
 ``kron`` / ``scale_by_kron`` (PSGD Kron), its update-probability schedule and
 ``get_opt_state_partition_specs``; ``xmat``, ``low_rank_approximation`` (alias
 ``lra``) and ``affine`` (PSGD XMat, LRA and Affine, with their ``scale_by_*``
-cores and ``PSGDState``); ``hessian_helper`` for Newton-mode fitting.
+cores and ``PSGDState``); ``hessian_helper`` for Newton-mode fitting;
+``distributed_shampoo`` (Google's Distributed Shampoo, with its state helpers and
+the matrix functions ``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``).
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
 from precond.jax._psgd_transform import PSGDState
 from precond.jax._shampoo_math import (
+    QuantizedArray,
     matrix_inverse_pth_root,
     matrix_inverse_pth_root_eigh,
     power_iteration,
@@ -48,6 +51,7 @@ __all__ = [
     "GraftingType",
     "KronState",
     "PSGDState",
+    "QuantizedArray",
     "ShampooState",
     "TrainingMetrics",
     "affine",

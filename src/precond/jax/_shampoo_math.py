@@ -120,6 +120,10 @@ def matrix_inverse_pth_root(
     Returns:
         (H, e): the root in ``matrix.dtype`` and the final error max|M − I|
         (float32; NaN or large when the root failed and must not be used).
+        e is measured on the tracked M, as Google's implementation does: in
+        float32 at condition numbers ≳ 1e5 and p = 8, M can drift from the true
+        H^p·A' (e = 4e-7 reported for a true residual of 1.6). Enable x64 (the
+        iteration then runs in float64) or use the eigh root for such statistics.
     """
     n = matrix.shape[-1]
     work = matrix.astype(root_dtype())
