@@ -57,3 +57,17 @@ def test_readme_hessian_example_solves_in_one_fitted_step(capsys):
     exec(_python_block("hessian_helper"), namespace)  # the XMat/HVP example
     # psgd-jax's README: loss ≈ 0 one step after the first fit (P = H⁻¹ = I/2).
     assert float(capsys.readouterr().out) < 1e-10
+
+
+def test_readme_shampoo_example_trains():
+    namespace: dict = {}
+    exec(_python_block("pj.distributed_shampoo("), namespace)
+    jnp = namespace["jnp"]
+    x = jnp.linspace(-1, 1, 32 * 64).reshape(32, 64)
+    y = jnp.tanh(x[:, :10] + x[:, 10:20])
+    params, state = namespace["params"], namespace["state"]
+    losses = []
+    for _ in range(40):
+        params, state, loss = namespace["train_step"](params, state, x, y)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0], losses
