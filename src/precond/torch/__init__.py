@@ -1,0 +1,16 @@
+"""precond's PyTorch optimizers.
+
+``Kron`` (PSGD Kron, a ``torch.optim.Optimizer``) with its update-probability
+schedule, and the strategies that spread its work over ``torch.distributed`` ranks.
+"""
+
+from precond.torch.kron import Kron, precond_update_prob_schedule
+from precond.torch.strategies import Replicated, ShardedPreconditioning, Strategy
+
+__all__ = [
+    "Kron",
+    "Replicated",
+    "ShardedPreconditioning",
+    "Strategy",
+    "precond_update_prob_schedule",
+]

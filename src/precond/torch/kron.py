@@ -1,0 +1,445 @@
+"""PSGD Kron as a ``torch.optim.Optimizer``: drop-in for ``kron_torch.Kron``.
+
+The same generation-1 algorithm as :func:`precond.jax.kron` (kernels in
+``precond.torch._kron_math``): each parameter's preconditioner is
+P = ⊗_i Q_iᵀQ_i, one triangular or diagonal factor per axis, fitted online so
+that P·m̂ is whitened (Li 2018, arXiv:1809.10232; Li 2024, arXiv:2402.11858).
+Parameters of equal shape and factor structure are stacked so that one batched
+call fits or applies all of their factors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from precond._common.factor_plan import (
+    MEMORY_SAVE_MODES,
+    merge_dims,
+    plan_diagonal_axes,
+)
+from precond._common.validation import check_choice, check_int, check_real
+from precond.torch import _kron_math as km
+from precond.torch.strategies import Replicated, Strategy
+
+__all__ = ["Kron", "precond_update_prob_schedule"]
+
+# Updates are scaled down so their per-tensor RMS is at most this.
+MAX_UPDATE_RMS = 1.1
+# Probability that a preconditioner update first rebalances the factor norms.
+BALANCE_PROBABILITY = 0.01
+# Keys of self.state[p].
+STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
+
+
+def precond_update_prob_schedule(
+    max_prob: float = 1.0,
+    min_prob: float = 0.03,
+    decay: float = 0.001,
+    flat_start: float = 500,
+) -> Callable[[int], float]:
+    """p(n) = clip(max_prob·exp(−decay·(n − flat_start)), min_prob, max_prob) for
+    the 1-based step n, in float32 as :func:`precond.jax.precond_update_prob_schedule`
+    computes it, so both frameworks update the preconditioner at the same steps."""
+    check_real("max_prob", max_prob, low=0.0, high=1.0)
+    check_real("min_prob", min_prob, low=0.0, high=1.0)
+    check_real("decay", decay, low=0.0)
+    check_real("flat_start", flat_start, low=0.0)
+    if min_prob > max_prob:
+        raise ValueError(
+            f"Invalid min_prob={min_prob!r}: must be <= max_prob={max_prob!r}"
+        )
+
+    def schedule(n: int) -> float:
+        exponent = np.float32(-decay) * (np.float32(n) - np.float32(flat_start))
+        prob = np.float32(max_prob) * np.exp(exponent, dtype=np.float32)
+        return float(np.clip(prob, np.float32(min_prob), np.float32(max_prob)))
+
+    return schedule
+
+
+def _plan(
+    shape: tuple[int, ...], group: dict[str, Any]
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """(merged shape, diagonal per axis) of a parameter, as precond.jax.kron plans
+    it (scalars become (1,)), plus kron-torch's ``max_skew_triangular`` rule."""
+    shape = tuple(shape) or (1,)
+    diagonal = plan_diagonal_axes(
+        shape,
+        max_size_triangular=group["max_size_triangular"],
+        min_ndim_triangular=group["min_ndim_triangular"],
+        memory_save_mode=group["memory_save_mode"],
+    )
+    numel = math.prod(shape)
+    skew = group["max_skew_triangular"]
+    diagonal = tuple(
+        diag or (len(shape) > 1 and d > skew * (numel // d))
+        for d, diag in zip(shape, diagonal, strict=True)
+    )
+    if group["merge_small_dims"]:
+        groups = merge_dims(shape, group["target_merged_dim_size"])
+        merged = tuple(math.prod(shape[a] for a in g) for g in groups)
+        diagonal = tuple(
+            all(diagonal[a] for a in g) or size > group["max_size_triangular"]
+            for g, size in zip(groups, merged, strict=True)
+        )
+        shape = merged
+    return shape, diagonal
+
+
+def _generator(device: torch.device, *seeds: int) -> torch.Generator:
+    """A generator seeded from integers: the same draws on every rank."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(hash(seeds) % (2**63))
+    return generator
+
+
+class Kron(torch.optim.Optimizer):
+    """PSGD Kron with kron-torch's arguments and defaults.
+
+    Each step, with n the parameter's 1-based step count:
+
+    1. m ← β₁m + (1−β₁)g, m̂ = m / (1 − β₁ⁿ).
+    2. With probability p(n) (a deterministic counter: update when 1/p steps
+       have passed since the last update), fit the factors: with probability
+       0.01 balance their norms, draw V ~ N(0, I), and take one
+       ``update_factors`` step on (m̂ + 2^-11.5·mean|m̂|·V, V).
+    3. U = (⊗_i Q_iᵀQ_i)·m̂, U ← U / max(1, RMS(U)/1.1), θ ← θ − lr·(U + λθ).
+
+    A step in which any gradient has a NaN or ±Inf entry changes no state
+    (momentum, factors, counters) and no parameter except by weight decay, as
+    :func:`precond.jax.kron` does. ``None`` gradients are skipped; sparse and
+    complex gradients are refused.
+
+    Args:
+        params: parameters or param groups (every argument below except
+            ``seed`` and ``strategy`` may be set per group).
+        lr: learning rate.
+        b1: momentum β₁ in [0, 1).
+        weight_decay: decoupled weight decay λ (all parameters).
+        preconditioner_update_probability: a probability, a function of the
+            step n, or None for :func:`precond_update_prob_schedule`.
+        max_size_triangular: axes longer than this get diagonal factors.
+        min_ndim_triangular: tensors with fewer dims get only diagonal factors.
+        memory_save_mode: None, 'one_diag' or 'all_diag'.
+        momentum_into_precond_update: fit the factors to m̂ (True) or to g.
+        precond_lr: step size of the factor updates.
+        precond_init_scale: initial P = s·I.
+        mu_dtype: momentum dtype (default: the parameter's).
+        precond_dtype: factor dtype (default float32); the math runs in at
+            least float32.
+        max_skew_triangular: an axis of a tensor with 2+ dims is diagonal when it
+            is longer than this times the product of the other dims (default
+            inf: off, as in precond.jax.kron).
+        merge_small_dims: precondition in the shape that merges adjacent axes
+            (``precond._common.factor_plan.merge_dims``), as precond.jax.kron.
+        target_merged_dim_size: largest dim that merging may create.
+        seed: seed of the noise and of the balancing draws (per step: every
+            rank draws the same without communicating).
+        strategy: how ranks share the work (:mod:`precond.torch.strategies`);
+            default :class:`~precond.torch.strategies.Replicated`.
+
+    Example:
+        >>> model = torch.nn.Linear(8, 4)
+        >>> optimizer = Kron(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(2, 8)).square().sum().backward()
+        >>> optimizer.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.001,
+        b1: float = 0.9,
+        weight_decay: float = 0.0,
+        preconditioner_update_probability: float | Callable | None = None,
+        max_size_triangular: int = 8192,
+        min_ndim_triangular: int = 2,
+        memory_save_mode: str | None = None,
+        momentum_into_precond_update: bool = True,
+        precond_lr: float = 0.1,
+        precond_init_scale: float = 1.0,
+        mu_dtype: torch.dtype | None = None,
+        precond_dtype: torch.dtype | None = None,
+        *,
+        max_skew_triangular: float = float("inf"),
+        merge_small_dims: bool = False,
+        target_merged_dim_size: int = 2048,
+        seed: int = 42,
+        strategy: Strategy | None = None,
+    ):
+        if preconditioner_update_probability is None:
+            preconditioner_update_probability = precond_update_prob_schedule()
+        defaults = dict(
+            lr=lr,
+            b1=b1,
+            weight_decay=weight_decay,
+            preconditioner_update_probability=preconditioner_update_probability,
+            max_size_triangular=max_size_triangular,
+            min_ndim_triangular=min_ndim_triangular,
+            memory_save_mode=memory_save_mode,
+            momentum_into_precond_update=momentum_into_precond_update,
+            precond_lr=precond_lr,
+            precond_init_scale=precond_init_scale,
+            mu_dtype=mu_dtype,
+            precond_dtype=precond_dtype,
+            max_skew_triangular=max_skew_triangular,
+            merge_small_dims=merge_small_dims,
+            target_merged_dim_size=target_merged_dim_size,
+        )
+        check_int("seed", seed)
+        self.seed = seed
+        self.strategy = strategy or Replicated()
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+        for p in self.param_groups[-1]["params"]:
+            _check_parameter(p)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = []  # (group, parameter, global index), gradient present
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_gradient(p)
+                    entries.append((group, p, index))
+                index += 1
+        if not entries:
+            return loss
+        grads = [p.grad for _, p, _ in entries]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        if not bool(finite):
+            # Skipped: no state changes; decoupled weight decay still applies.
+            for group, p, _ in entries:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            return loss
+        owners = self.strategy.assign(
+            [p for _, p, _ in entries],
+            [_cost(p.shape, group) for group, p, _ in entries],
+        )
+        updates: dict[int, torch.Tensor] = {}
+        rank = self.strategy.rank
+        mine = [e for e, owner in zip(entries, owners, strict=True) if owner == rank]
+        for bucket in _buckets(mine, self.state).values():
+            self._step_bucket(bucket, updates)
+        updates = self.strategy.share(
+            [p for _, p, _ in entries], owners, [updates.get(i) for _, _, i in entries]
+        )
+        for (group, p, _), update in zip(entries, updates, strict=True):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update.to(p.dtype), alpha=-group["lr"])
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state; factors and momenta keep their saved dtypes (torch would
+        cast them to the parameter's, e.g. float32 factors of a bfloat16 weight
+        to bfloat16)."""
+        saved = {
+            index: (
+                [q.dtype for q in entry[FACTORS]] if FACTORS in entry else None,
+                entry[MOMENTUM].dtype if MOMENTUM in entry else None,
+            )
+            for index, entry in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, (factor_dtypes, momentum_dtype) in saved.items():
+            state = self.state[params[index]]
+            if factor_dtypes is not None:
+                state[FACTORS] = [
+                    q.to(dtype)
+                    for q, dtype in zip(state[FACTORS], factor_dtypes, strict=True)
+                ]
+            if momentum_dtype is not None:
+                state[MOMENTUM] = state[MOMENTUM].to(momentum_dtype)
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        if state:
+            return state
+        shape, diagonal = _plan(p.shape, group)
+        dtype = group["precond_dtype"] or torch.float32
+        scale = group["precond_init_scale"] ** (1 / len(shape))
+        state[STEP] = 0
+        state[UPDATE_COUNTER] = 0
+        state[MOMENTUM] = torch.zeros_like(
+            p, dtype=group["mu_dtype"] or p.dtype, memory_format=torch.preserve_format
+        )
+        state[FACTORS] = [
+            torch.full((d,), scale, dtype=dtype, device=p.device)
+            if diag
+            else scale * torch.eye(d, dtype=dtype, device=p.device)
+            for d, diag in zip(shape, diagonal, strict=True)
+        ]
+        return state
+
+    def _step_bucket(self, bucket, updates: dict[int, torch.Tensor]) -> None:
+        """Momentum, fit and preconditioned update of equal-shaped parameters."""
+        group = bucket[0][0]
+        states = [self._init_state(p, g) for g, p, _ in bucket]
+        shape, _ = _plan(bucket[0][1].shape, group)
+        b1 = group["b1"]
+        for state in states:
+            state[STEP] += 1
+        step = states[0][STEP]
+        grads = [p.grad for _, p, _ in bucket]
+        momenta = [s[MOMENTUM] for s in states]
+        torch._foreach_lerp_(
+            momenta,
+            [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)],
+            1 - b1,
+        )
+        factor_dtype = states[0][FACTORS][0].dtype
+        dtype = torch.promote_types(factor_dtype, torch.float32)
+        correction = 1 - b1**step
+
+        def stacked(tensors):
+            return torch.stack([t.to(dtype).reshape(shape) for t in tensors])
+
+        mu_hat = stacked(momenta) / correction if b1 > 0 else stacked(grads)
+        factors = [
+            torch.stack([s[FACTORS][axis] for s in states]).to(dtype)
+            for axis in range(len(shape))
+        ]
+        probability = group["preconditioner_update_probability"]
+        if callable(probability):
+            probability = probability(step)
+        for state in states:
+            state[UPDATE_COUNTER] += 1
+        if states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability):
+            for state in states:
+                state[UPDATE_COUNTER] = 0
+            device = mu_hat.device
+            draw = torch.rand(
+                (), generator=_generator(device, self.seed, step, -1), device=device
+            )
+            if float(draw) < BALANCE_PROBABILITY:
+                factors = km.balance_factors(factors)
+            noise = torch.stack(
+                [
+                    torch.randn(
+                        shape,
+                        generator=_generator(device, self.seed, step, index),
+                        dtype=dtype,
+                        device=device,
+                    )
+                    for _, _, index in bucket
+                ]
+            )
+            target = mu_hat if group["momentum_into_precond_update"] else stacked(grads)
+            factors = km.update_factors(
+                factors, km.add_damping_noise(target, noise), noise, group["precond_lr"]
+            )
+            for i, state in enumerate(states):
+                for axis, Q in enumerate(factors):
+                    state[FACTORS][axis].copy_(Q[i])
+        U = km.precondition(factors, mu_hat)
+        rms = U.square().reshape(U.shape[0], -1).mean(dim=1).sqrt()
+        U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
+            (-1,) + (1,) * (U.ndim - 1)
+        )
+        for (_, p, index), u in zip(bucket, U, strict=True):
+            updates[index] = u.reshape(p.shape)
+
+
+def _buckets(entries, optimizer_state) -> dict[tuple, list]:
+    """Entries grouped by everything a batched call must share."""
+    buckets: dict[tuple, list] = defaultdict(list)
+    for group, p, index in entries:
+        state = optimizer_state.get(p) or {}
+        key = (
+            id(group),
+            _plan(p.shape, group),
+            p.device,
+            p.dtype,
+            state.get(STEP, 0),
+            state.get(UPDATE_COUNTER, 0),
+        )
+        buckets[key].append((group, p, index))
+    return buckets
+
+
+def _cost(shape, group) -> float:
+    """Relative cost of one parameter's fit and update: Σ d_i³ + numel·Σ d_i."""
+    merged, diagonal = _plan(shape, group)
+    numel = math.prod(merged)
+    return sum(
+        (d if diag else d**3) + numel * (1 if diag else d)
+        for d, diag in zip(merged, diagonal, strict=True)
+    )
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    check_real("lr", group["lr"], low=0.0)
+    check_real("b1", group["b1"], low=0.0, high=1.0, high_inclusive=False)
+    check_real("weight_decay", group["weight_decay"], low=0.0)
+    probability = group["preconditioner_update_probability"]
+    if not callable(probability):
+        check_real(
+            "preconditioner_update_probability",
+            probability,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+        )
+    check_int("max_size_triangular", group["max_size_triangular"], low=0)
+    check_int("min_ndim_triangular", group["min_ndim_triangular"], low=0)
+    check_choice("memory_save_mode", group["memory_save_mode"], MEMORY_SAVE_MODES)
+    check_choice(
+        "momentum_into_precond_update",
+        group["momentum_into_precond_update"],
+        (True, False),
+    )
+    check_real("precond_lr", group["precond_lr"], low=0.0)
+    check_real(
+        "precond_init_scale", group["precond_init_scale"], low=0.0, low_inclusive=False
+    )
+    for name in ("mu_dtype", "precond_dtype"):
+        value = group[name]
+        if value is not None and not (
+            isinstance(value, torch.dtype) and value.is_floating_point
+        ):
+            raise TypeError(
+                f"Invalid {name}={value!r}: must be None or a floating torch.dtype"
+            )
+    if group["max_skew_triangular"] != float("inf"):
+        check_real("max_skew_triangular", group["max_skew_triangular"], low=0.0)
+    check_choice("merge_small_dims", group["merge_small_dims"], (True, False))
+    check_int("target_merged_dim_size", group["target_merged_dim_size"], low=1)
+
+
+def _check_parameter(p: torch.Tensor) -> None:
+    if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+        raise NotImplementedError(
+            "precond.torch.Kron does not support FSDP2 (fully_shard) DTensor "
+            "parameters yet: wrap the model in DDP instead (optionally with "
+            "strategy=precond.torch.ShardedPreconditioning() to spread the "
+            "preconditioner work over the ranks)"
+        )
+    if p.is_complex():
+        raise TypeError(
+            f"Invalid parameter of dtype {p.dtype}: Kron supports real parameters"
+        )
+
+
+def _check_gradient(p: torch.Tensor) -> None:
+    if p.grad.is_sparse:
+        raise RuntimeError(
+            "Kron does not support sparse gradients (e.g. nn.Embedding(sparse=True))"
+        )
+    if p.grad.is_complex():
+        raise RuntimeError(f"Kron does not support complex gradients ({p.grad.dtype})")

@@ -1,0 +1,113 @@
+"""How ranks of a ``torch.distributed`` job share Kron's preconditioner work.
+
+A strategy decides which rank computes each parameter's update (``assign``) and
+brings every rank the updates it did not compute (``share``). Under DDP the
+gradients are already averaged, so :class:`Replicated` (every rank does all the
+work, no communication) is correct as it is; :class:`ShardedPreconditioning`
+spreads the fits and preconditioned updates over the ranks and exchanges the
+results with one all-gather per step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Replicated", "ShardedPreconditioning", "Strategy"]
+
+
+class Strategy:
+    """Interface: ``rank``, ``assign(params, costs)``, ``share(...)``."""
+
+    rank: int = 0
+
+    def assign(
+        self, params: Sequence[torch.Tensor], costs: Sequence[float]
+    ) -> list[int]:
+        """The rank that computes each parameter's update."""
+        raise NotImplementedError
+
+    def share(
+        self,
+        params: Sequence[torch.Tensor],
+        owners: Sequence[int],
+        updates: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """Every parameter's update on every rank (``None`` where not computed)."""
+        raise NotImplementedError
+
+
+class Replicated(Strategy):
+    """Every rank computes every update (one process, or DDP-averaged gradients)."""
+
+    def assign(self, params, costs):
+        return [self.rank] * len(params)
+
+    def share(self, params, owners, updates):
+        return list(updates)
+
+
+class ShardedPreconditioning(Strategy):
+    """Each rank keeps the momentum and factors of, fits and preconditions only
+    the parameters assigned to it (greedy: largest cost to the least-loaded rank),
+    then one all-gather gives every rank all updates.
+
+    Each rank's ``state_dict()`` holds the state of its own parameters only (as
+    with ZeRO): save and load it per rank. Every rank must see the same
+    parameters with gradients in the same order, as under DDP.
+
+    Args:
+        process_group: the ranks to spread over (default: the whole world).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ShardedPreconditioning needs torch.distributed to be initialized "
+                "(dist.init_process_group) before the optimizer is built"
+            )
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._cache: dict[tuple, list[int]] = {}
+
+    def assign(self, params, costs):
+        key = tuple((id(p), tuple(p.shape)) for p in params)
+        if key not in self._cache:
+            loads = [(0.0, rank) for rank in range(self.world_size)]
+            owners = [0] * len(params)
+            for i in sorted(range(len(params)), key=lambda i: (-costs[i], i)):
+                load, rank = heapq.heappop(loads)
+                owners[i] = rank
+                heapq.heappush(loads, (load + costs[i], rank))
+            self._cache[key] = owners
+        return self._cache[key]
+
+    def share(self, params, owners, updates):
+        dtype = torch.float32
+        for u in updates:
+            if u is not None:
+                dtype = torch.promote_types(dtype, u.dtype)
+        # Every rank knows every rank's sizes: no size exchange is needed.
+        sizes = [0] * self.world_size
+        for p, owner in zip(params, owners, strict=True):
+            sizes[owner] += p.numel()
+        device = params[0].device
+        local = torch.zeros(max(sizes), dtype=dtype, device=device)
+        offset = 0
+        for u, owner in zip(updates, owners, strict=True):
+            if owner == self.rank:
+                local[offset : offset + u.numel()] = u.reshape(-1)
+                offset += u.numel()
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.process_group)
+        offsets = [0] * self.world_size
+        shared = []
+        for p, owner in zip(params, owners, strict=True):
+            start = offsets[owner]
+            shared.append(gathered[owner][start : start + p.numel()].reshape(p.shape))
+            offsets[owner] += p.numel()
+        return shared
