@@ -99,6 +99,20 @@ def _generator(device: torch.device, *seeds: int) -> torch.Generator:
     return generator
 
 
+def balance_draw(seed: int, step: int, device: torch.device) -> float:
+    """Uniform [0, 1) draw of step ``step``; the factors are balanced when it is
+    below 0.01. A function of (seed, step) only: every rank draws the same."""
+    generator = _generator(device, seed, step, -1)
+    return float(torch.rand((), generator=generator, device=device))
+
+
+def unit_noise(shape, seed: int, step: int, index: int, dtype, device) -> torch.Tensor:
+    """V ~ N(0, I) for parameter ``index`` (its position in the optimizer) at
+    ``step``: the same on every rank and however parameters are bucketed."""
+    generator = _generator(device, seed, step, index)
+    return torch.randn(shape, generator=generator, dtype=dtype, device=device)
+
+
 class Kron(torch.optim.Optimizer):
     """PSGD Kron with kron-torch's arguments and defaults.
 
@@ -324,19 +338,11 @@ class Kron(torch.optim.Optimizer):
             for state in states:
                 state[UPDATE_COUNTER] = 0
             device = mu_hat.device
-            draw = torch.rand(
-                (), generator=_generator(device, self.seed, step, -1), device=device
-            )
-            if float(draw) < BALANCE_PROBABILITY:
+            if balance_draw(self.seed, step, device) < BALANCE_PROBABILITY:
                 factors = km.balance_factors(factors)
             noise = torch.stack(
                 [
-                    torch.randn(
-                        shape,
-                        generator=_generator(device, self.seed, step, index),
-                        dtype=dtype,
-                        device=device,
-                    )
+                    unit_noise(shape, self.seed, step, index, dtype, device)
                     for _, _, index in bucket
                 ]
             )
