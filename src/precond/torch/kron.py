@@ -157,6 +157,9 @@ class Kron(torch.optim.Optimizer):
             rank draws the same without communicating).
         strategy: how ranks share the work (:mod:`precond.torch.strategies`);
             default :class:`~precond.torch.strategies.Replicated`.
+        compile_kernels: ``torch.compile`` the factor update and the
+            preconditioning (one compile per shape of stack; see BENCHMARKS.md
+            for when it pays off).
 
     Example:
         >>> model = torch.nn.Linear(8, 4)
@@ -186,6 +189,7 @@ class Kron(torch.optim.Optimizer):
         target_merged_dim_size: int = 2048,
         seed: int = 42,
         strategy: Strategy | None = None,
+        compile_kernels: bool = False,
     ):
         if preconditioner_update_probability is None:
             preconditioner_update_probability = precond_update_prob_schedule()
@@ -207,8 +211,14 @@ class Kron(torch.optim.Optimizer):
             target_merged_dim_size=target_merged_dim_size,
         )
         check_int("seed", seed)
+        check_choice("compile_kernels", compile_kernels, (True, False))
         self.seed = seed
         self.strategy = strategy or Replicated()
+        # torch.compile'd kernels: one compile per stack shape, then fused code.
+        self._update_factors, self._precondition = km.update_factors, km.precondition
+        if compile_kernels:
+            self._update_factors = torch.compile(km.update_factors, dynamic=False)
+            self._precondition = torch.compile(km.precondition, dynamic=False)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -347,13 +357,13 @@ class Kron(torch.optim.Optimizer):
                 ]
             )
             target = mu_hat if group["momentum_into_precond_update"] else stacked(grads)
-            factors = km.update_factors(
+            factors = self._update_factors(
                 factors, km.add_damping_noise(target, noise), noise, group["precond_lr"]
             )
             for i, state in enumerate(states):
                 for axis, Q in enumerate(factors):
                     state[FACTORS][axis].copy_(Q[i])
-        U = km.precondition(factors, mu_hat)
+        U = self._precondition(factors, mu_hat)
         rms = U.square().reshape(U.shape[0], -1).mean(dim=1).sqrt()
         U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
             (-1,) + (1,) * (U.ndim - 1)
