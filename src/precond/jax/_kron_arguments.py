@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from precond._common.factor_plan import MEMORY_SAVE_MODES
+from precond._common.schedules import check_update_prob_schedule
 from precond._common.validation import check_choice, check_int, check_real
 from precond.jax import _kron_math as km
 from precond.jax._precision import MATMUL_PRECISIONS
@@ -47,14 +48,7 @@ def precond_update_prob_schedule(
         >>> kron(preconditioner_update_probability=precond_update_prob_schedule(
         ...     min_prob=0.05, flat_start=1000))  # doctest: +SKIP
     """
-    check_real("max_prob", max_prob, low=0.0, high=1.0)
-    check_real("min_prob", min_prob, low=0.0, high=1.0)
-    check_real("decay", decay, low=0.0)
-    check_real("flat_start", flat_start, low=0.0)
-    if min_prob > max_prob:
-        raise ValueError(
-            f"Invalid min_prob={min_prob!r}: must be <= max_prob={max_prob!r}"
-        )
+    check_update_prob_schedule(max_prob, min_prob, decay, flat_start)
 
     def schedule(n: jax.Array) -> jax.Array:
         prob = max_prob * jnp.exp(-decay * (jnp.asarray(n, jnp.float32) - flat_start))

@@ -23,6 +23,7 @@ from precond._common.factor_plan import (
     merge_dims,
     plan_diagonal_axes,
 )
+from precond._common.schedules import check_update_prob_schedule
 from precond._common.validation import check_choice, check_int, check_real
 from precond.torch import _kron_math as km
 from precond.torch.strategies import Replicated, Strategy
@@ -46,14 +47,7 @@ def precond_update_prob_schedule(
     """p(n) = clip(max_prob·exp(−decay·(n − flat_start)), min_prob, max_prob) for
     the 1-based step n, in float32 as :func:`precond.jax.precond_update_prob_schedule`
     computes it, so both frameworks update the preconditioner at the same steps."""
-    check_real("max_prob", max_prob, low=0.0, high=1.0)
-    check_real("min_prob", min_prob, low=0.0, high=1.0)
-    check_real("decay", decay, low=0.0)
-    check_real("flat_start", flat_start, low=0.0)
-    if min_prob > max_prob:
-        raise ValueError(
-            f"Invalid min_prob={min_prob!r}: must be <= max_prob={max_prob!r}"
-        )
+    check_update_prob_schedule(max_prob, min_prob, decay, flat_start)
 
     def schedule(n: int) -> float:
         exponent = np.float32(-decay) * (np.float32(n) - np.float32(flat_start))
