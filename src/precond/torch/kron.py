@@ -93,11 +93,22 @@ def _generator(device: torch.device, *seeds: int) -> torch.Generator:
     return generator
 
 
-def balance_draw(seed: int, step: int, device: torch.device) -> float:
+def balance_draw(seed: int, step: int) -> float:
     """Uniform [0, 1) draw of step ``step``; the factors are balanced when it is
-    below 0.01. A function of (seed, step) only: every rank draws the same."""
-    generator = _generator(device, seed, step, -1)
-    return float(torch.rand((), generator=generator, device=device))
+    below 0.01. A function of (seed, step) only: every rank draws the same. Drawn
+    on the CPU, so a GPU step does not wait for it."""
+    generator = _generator(torch.device("cpu"), seed, step, -1)
+    return float(torch.rand((), generator=generator))
+
+
+def _all_finite(grads: list[torch.Tensor]) -> bool:
+    """True when no gradient has a NaN or ±Inf entry: one sum per gradient, and
+    the exact entrywise check only if a sum is not finite (NaN, Inf, or a finite
+    but huge gradient whose sum overflows). One host sync per step."""
+    sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
 def unit_noise(shape, seed: int, step: int, index: int, dtype, device) -> torch.Tensor:
@@ -151,9 +162,10 @@ class Kron(torch.optim.Optimizer):
             rank draws the same without communicating).
         strategy: how ranks share the work (:mod:`precond.torch.strategies`);
             default :class:`~precond.torch.strategies.Replicated`.
-        compile_kernels: ``torch.compile`` the factor update and the
-            preconditioning (one compile per shape of stack; see BENCHMARKS.md
-            for when it pays off).
+        compile_kernels: ``torch.compile`` the factor update (one compile per
+            shape of stack, ~4 s each on a CPU; beyond torch._dynamo's recompile
+            limit, 8 by default, further shapes run eagerly). See BENCHMARKS.md
+            for when it pays off.
 
     Example:
         >>> model = torch.nn.Linear(8, 4)
@@ -208,11 +220,11 @@ class Kron(torch.optim.Optimizer):
         check_choice("compile_kernels", compile_kernels, (True, False))
         self.seed = seed
         self.strategy = strategy or Replicated()
-        # torch.compile'd kernels: one compile per stack shape, then fused code.
-        self._update_factors, self._precondition = km.update_factors, km.precondition
+        # The fit, torch.compile'd: one compile per stack shape, then fused code
+        # (compiling the preconditioning, batched matmuls, gains nothing).
+        self._update_factors = km.update_factors
         if compile_kernels:
             self._update_factors = torch.compile(km.update_factors, dynamic=False)
-            self._precondition = torch.compile(km.precondition, dynamic=False)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -238,9 +250,7 @@ class Kron(torch.optim.Optimizer):
                 index += 1
         if not entries:
             return loss
-        grads = [p.grad for _, p, _ in entries]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        if not bool(finite):
+        if not _all_finite([p.grad for _, p, _ in entries]):
             # Skipped: no state changes; decoupled weight decay still applies.
             for group, p, _ in entries:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -342,7 +352,7 @@ class Kron(torch.optim.Optimizer):
             for state in states:
                 state[UPDATE_COUNTER] = 0
             device = mu_hat.device
-            if balance_draw(self.seed, step, device) < BALANCE_PROBABILITY:
+            if balance_draw(self.seed, step) < BALANCE_PROBABILITY:
                 factors = km.balance_factors(factors)
             noise = torch.stack(
                 [
@@ -357,7 +367,7 @@ class Kron(torch.optim.Optimizer):
             for i, state in enumerate(states):
                 for axis, Q in enumerate(factors):
                     state[FACTORS][axis].copy_(Q[i])
-        U = self._precondition(factors, mu_hat)
+        U = km.precondition(factors, mu_hat)
         rms = U.square().reshape(U.shape[0], -1).mean(dim=1).sqrt()
         U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
             (-1,) + (1,) * (U.ndim - 1)
