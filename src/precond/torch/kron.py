@@ -45,8 +45,9 @@ def precond_update_prob_schedule(
     flat_start: float = 500,
 ) -> Callable[[int], float]:
     """p(n) = clip(max_prob·exp(−decay·(n − flat_start)), min_prob, max_prob) for
-    the 1-based step n, in float32 as :func:`precond.jax.precond_update_prob_schedule`
-    computes it, so both frameworks update the preconditioner at the same steps."""
+    the 1-based step n, in float32 like :func:`precond.jax.precond_update_prob_schedule`
+    (within 2 ulp of it: NumPy's and XLA's exp round differently), so both
+    frameworks update the preconditioner at the same steps (checked to 20000)."""
     check_update_prob_schedule(max_prob, min_prob, decay, flat_start)
 
     def schedule(n: int) -> float:
@@ -55,6 +56,9 @@ def precond_update_prob_schedule(
         return float(np.clip(prob, np.float32(min_prob), np.float32(max_prob)))
 
     return schedule
+
+
+_DEFAULT_SCHEDULE = precond_update_prob_schedule()
 
 
 def _plan(
@@ -142,7 +146,9 @@ class Kron(torch.optim.Optimizer):
         b1: momentum β₁ in [0, 1).
         weight_decay: decoupled weight decay λ (all parameters).
         preconditioner_update_probability: a probability, a function of the
-            step n, or None for :func:`precond_update_prob_schedule`.
+            step n, or None for :func:`precond_update_prob_schedule`'s default
+            (a function stored in a param group makes ``torch.save`` of the
+            state_dict fail unless it is picklable, e.g. defined at module level).
         max_size_triangular: axes longer than this get diagonal factors.
         min_ndim_triangular: tensors with fewer dims get only diagonal factors.
         memory_save_mode: None, 'one_diag' or 'all_diag'.
@@ -197,8 +203,6 @@ class Kron(torch.optim.Optimizer):
         strategy: Strategy | None = None,
         compile_kernels: bool = False,
     ):
-        if preconditioner_update_probability is None:
-            preconditioner_update_probability = precond_update_prob_schedule()
         defaults = dict(
             lr=lr,
             b1=b1,
@@ -229,9 +233,13 @@ class Kron(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
-        for p in self.param_groups[-1]["params"]:
-            _check_parameter(p)
+        try:
+            _check_group(self.param_groups[-1])
+            for p in self.param_groups[-1]["params"]:
+                _check_parameter(p)
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -244,7 +252,7 @@ class Kron(torch.optim.Optimizer):
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is not None and p.numel() > 0:
                     _check_gradient(p)
                     entries.append((group, p, index))
                 index += 1
@@ -277,23 +285,18 @@ class Kron(torch.optim.Optimizer):
         cast them to the parameter's, e.g. float32 factors of a bfloat16 weight
         to bfloat16)."""
         saved = {
-            index: (
-                [q.dtype for q in entry[FACTORS]] if FACTORS in entry else None,
-                entry[MOMENTUM].dtype if MOMENTUM in entry else None,
-            )
+            index: (entry.get(FACTORS), entry.get(MOMENTUM))
             for index, entry in state_dict["state"].items()
         }
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
-        for index, (factor_dtypes, momentum_dtype) in saved.items():
+        for index, (factors, momentum) in saved.items():
             state = self.state[params[index]]
-            if factor_dtypes is not None:
-                state[FACTORS] = [
-                    q.to(dtype)
-                    for q, dtype in zip(state[FACTORS], factor_dtypes, strict=True)
-                ]
-            if momentum_dtype is not None:
-                state[MOMENTUM] = state[MOMENTUM].to(momentum_dtype)
+            device = params[index].device
+            if factors is not None:
+                state[FACTORS] = [q.to(device=device, copy=True) for q in factors]
+            if momentum is not None:
+                state[MOMENTUM] = momentum.to(device=device, copy=True)
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -344,6 +347,8 @@ class Kron(torch.optim.Optimizer):
             for axis in range(len(shape))
         ]
         probability = group["preconditioner_update_probability"]
+        if probability is None:
+            probability = _DEFAULT_SCHEDULE
         if callable(probability):
             probability = probability(step)
         for state in states:
@@ -408,7 +413,7 @@ def _check_group(group: dict[str, Any]) -> None:
     check_real("b1", group["b1"], low=0.0, high=1.0, high_inclusive=False)
     check_real("weight_decay", group["weight_decay"], low=0.0)
     probability = group["preconditioner_update_probability"]
-    if not callable(probability):
+    if probability is not None and not callable(probability):
         check_real(
             "preconditioner_update_probability",
             probability,

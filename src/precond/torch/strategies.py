@@ -88,9 +88,8 @@ class ShardedPreconditioning(Strategy):
 
     def share(self, params, owners, updates):
         dtype = torch.float32
-        for u in updates:
-            if u is not None:
-                dtype = torch.promote_types(dtype, u.dtype)
+        for p in params:  # the same on every rank, whatever it owns
+            dtype = torch.promote_types(dtype, p.dtype)
         # Every rank knows every rank's sizes: no size exchange is needed.
         sizes = [0] * self.world_size
         for p, owner in zip(params, owners, strict=True):

@@ -1,0 +1,690 @@
+"""precond.torch.Kron as a torch.optim.Optimizer: groups, schedulers, closures,
+skipped and refused gradients, checkpoints, bad input, non-finite gradients, the
+update-probability schedule and the factor structure.
+
+Each test compares against an oracle rather than checking that code runs: a
+second optimizer (one per param group, or one that never saw a skipped step),
+the linearity of the parameter step in the learning rate, the saved state itself,
+precond.jax's schedule, or precond._common.factor_plan's structure rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from precond._common.factor_plan import merge_dims, plan_diagonal_axes
+from precond.jax import precond_update_prob_schedule as jax_schedule
+from precond.torch import Kron, precond_update_prob_schedule
+from precond.torch import kron as kron_module
+
+STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = (
+    kron_module.STEP,
+    kron_module.UPDATE_COUNTER,
+    kron_module.MOMENTUM,
+    kron_module.FACTORS,
+)
+
+
+@pytest.fixture
+def noise_by_shape(monkeypatch):
+    """Noise that depends on (shape, step) only and no balancing, so that one
+    optimizer over several groups and one optimizer per group draw the same V
+    (the real draws depend on the parameter's position in its optimizer)."""
+
+    def unit_noise(shape, seed, step, index, dtype, device):
+        generator = torch.Generator().manual_seed(1000 * step + math.prod(shape))
+        return torch.randn(shape, generator=generator, dtype=dtype).to(device)
+
+    monkeypatch.setattr(kron_module, "unit_noise", unit_noise)
+    monkeypatch.setattr(kron_module, "balance_draw", lambda *args: 1.0)
+
+
+def make_params(shapes, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=generator, dtype=dtype))
+        for s in shapes
+    ]
+
+
+def gradients(shapes, steps, dtype=torch.float64, seed=1):
+    """A fixed list of gradients per step (not from a loss: the state then
+    evolves independently of the learning rate)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(s, generator=generator, dtype=dtype) for s in shapes]
+        for _ in range(steps)
+    ]
+
+
+def run(optimizer, params, grads_per_step):
+    for grads in grads_per_step:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = None if g is None else g.clone()
+        optimizer.step()
+
+
+SHAPES = [(5, 4), (6,), (3, 2, 4), ()]
+
+
+# --- param groups, schedulers, closures, zero_grad ---------------------------
+
+
+def test_param_groups_equal_one_optimizer_per_group(noise_by_shape):
+    grads = gradients(SHAPES * 2, steps=4)
+    params = make_params(SHAPES * 2)
+    hyper_a = dict(lr=0.1, b1=0.9, weight_decay=0.01)
+    hyper_b = dict(lr=0.02, b1=0.5, weight_decay=0.0, precond_lr=0.3)
+    optimizer = Kron(
+        [
+            {"params": params[:4], **hyper_a},
+            {"params": params[4:], **hyper_b},
+        ],
+        preconditioner_update_probability=1.0,
+        precond_dtype=torch.float64,
+    )
+    run(optimizer, params, grads)
+
+    separate = make_params(SHAPES * 2)
+    for group, hyper in ((slice(0, 4), hyper_a), (slice(4, 8), hyper_b)):
+        opt = Kron(
+            separate[group],
+            preconditioner_update_probability=1.0,
+            precond_dtype=torch.float64,
+            **hyper,
+        )
+        run(opt, separate[group], [g[group] for g in grads])
+    for p, q in zip(params, separate, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-14, atol=1e-14)
+
+    # Not vacuous: group b's hyperparameters changed its result.
+    swapped = make_params(SHAPES * 2)[4:]
+    opt = Kron(
+        swapped,
+        preconditioner_update_probability=1.0,
+        precond_dtype=torch.float64,
+        **hyper_a,
+    )
+    run(opt, swapped, [g[4:] for g in grads])
+    assert not torch.allclose(swapped[0], params[4], atol=1e-3)
+
+
+def test_lr_scheduler_scales_each_step(noise_by_shape):
+    """Without weight decay and with fixed gradients the state does not depend on
+    the learning rate, so θ_T = θ_0 − Σ_t lr_t·U_t with U_t the steps of lr = 1."""
+    steps = 6
+    grads = gradients(SHAPES, steps)
+    unit = make_params(SHAPES)
+    unit_opt = Kron(unit, lr=1.0, preconditioner_update_probability=1.0)
+    deltas = []
+    for step_grads in grads:
+        before = [p.detach().clone() for p in unit]
+        run(unit_opt, unit, [step_grads])
+        deltas.append([b - p.detach() for b, p in zip(before, unit, strict=True)])
+
+    params = make_params(SHAPES)
+    optimizer = Kron(params, lr=0.1, preconditioner_update_probability=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.1)
+    lrs = []
+    for step_grads in grads:
+        lrs.append(optimizer.param_groups[0]["lr"])
+        run(optimizer, params, [step_grads])
+        scheduler.step()
+    np.testing.assert_allclose(lrs, [0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+    for i, (p, p0) in enumerate(zip(params, make_params(SHAPES), strict=True)):
+        expected = p0.detach() - sum(lr * d[i] for lr, d in zip(lrs, deltas))
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_step_with_closure_returns_loss_and_equals_backward_then_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 4)
+    opt_a = Kron(model.parameters(), lr=0.05)
+    opt_b = Kron(twin.parameters(), lr=0.05)
+    for _ in range(3):
+
+        def closure():
+            opt_a.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        expected = twin(x).square().mean()
+        opt_b.zero_grad()
+        expected.backward()
+        opt_b.step()
+        loss = opt_a.step(closure)
+        assert isinstance(loss, torch.Tensor)
+        assert loss.item() == expected.item()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_zero_grad_then_step_changes_nothing():
+    params = make_params(SHAPES)
+    optimizer = Kron(params, lr=0.1, weight_decay=0.1)
+    run(optimizer, params, gradients(SHAPES, 2))
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(optimizer.state_dict())
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in params)
+    optimizer.step()
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b)
+    _assert_state_equal(optimizer.state_dict(), state)
+    # Zeroed (not None) gradients are real gradients: the step proceeds.
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.zero_grad(set_to_none=False)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in params)
+    optimizer.step()
+    assert all(optimizer.state[p][STEP] == 3 for p in params)
+
+
+def test_none_gradients_are_skipped_with_state_untouched(noise_by_shape):
+    """A parameter whose gradient is None is neither updated nor decayed and its
+    state is untouched; the others step as if it did not exist."""
+    params = make_params(SHAPES)
+    optimizer = Kron(params, lr=0.1, weight_decay=0.1)
+    grads = gradients(SHAPES, 4)
+    grads[0][1] = None  # (6,) has no gradient at step 1: no state yet
+    grads[2][0] = None  # (5, 4) has none at step 3: state kept as it was
+    run(optimizer, params, grads[:1])
+    assert set(optimizer.state) == {params[0], params[2], params[3]}
+    assert torch.equal(params[1], make_params(SHAPES)[1])  # not even decayed
+    run(optimizer, params, grads[1:2])
+    kept = copy.deepcopy(optimizer.state[params[0]])
+    frozen = params[0].detach().clone()
+    run(optimizer, params, grads[2:3])
+    assert torch.equal(params[0], frozen)
+    _assert_entry_equal(optimizer.state[params[0]], kept)
+    assert optimizer.state[params[1]][STEP] == 2  # steps 2 and 3
+    run(optimizer, params, grads[3:])
+    assert optimizer.state[params[0]][STEP] == 3
+
+    # Each parameter equals a run of its own, over its own non-None gradients.
+    for i in range(len(SHAPES)):
+        alone = make_params(SHAPES)[i : i + 1]
+        opt = Kron(alone, lr=0.1, weight_decay=0.1)
+        run(opt, alone, [[g[i]] for g in grads if g[i] is not None])
+        assert torch.equal(alone[0], params[i]), SHAPES[i]
+
+
+def test_sparse_gradient_is_refused():
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = Kron(embedding.parameters())
+    embedding(torch.tensor([1, 2])).sum().backward()
+    assert embedding.weight.grad.is_sparse
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        optimizer.step()
+    # Nothing was changed before the refusal.
+    assert not optimizer.state
+
+
+def test_complex_parameter_is_refused():
+    real = torch.nn.Parameter(torch.randn(3))
+    for p in (
+        torch.nn.Parameter(torch.randn(3, dtype=torch.complex64)),
+        torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex128)),
+    ):
+        with pytest.raises(TypeError, match=rf"{p.dtype}.*real parameters"):
+            Kron([real, p])
+        optimizer = Kron([real])
+        with pytest.raises(TypeError, match="real parameters"):
+            optimizer.add_param_group({"params": [p]})
+
+
+# --- checkpoints ----------------------------------------------------------------
+
+
+def _assert_entry_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, list):
+            assert len(x) == len(y)
+            for u, v in zip(x, y, strict=True):
+                assert u.dtype == v.dtype, key
+                assert torch.equal(u, v), key
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype, key
+            assert torch.equal(x, y), key
+        else:
+            assert x == y, key
+
+
+def _assert_state_equal(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    for index in a["state"]:
+        _assert_entry_equal(a["state"][index], b["state"][index])
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    ).to(dtype)
+
+
+def _train(model, optimizer, steps, start):
+    for step in range(start, start + steps):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(32, 6, generator=generator).to(next(model.parameters()).dtype)
+        optimizer.zero_grad()
+        model(x).float().square().mean().backward()
+        optimizer.step()
+
+
+# A schedule that drops below 1 within the first steps, so that the restored
+# update counters decide which of the next steps fit the factors. Built from
+# floats (not a closure), so that the state dict pickles.
+CHECKPOINT_PROBABILITY = 0.4
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kwargs"),
+    [
+        (torch.float32, {}),
+        (torch.bfloat16, {}),
+        (torch.bfloat16, {"mu_dtype": torch.float32}),
+        (torch.float64, {"precond_dtype": torch.float64}),
+    ],
+    ids=["float32", "bfloat16", "bfloat16-mu_float32", "float64"],
+)
+def test_state_dict_round_trip_continues_bit_identically(dtype, kwargs):
+    """Train 5 steps, save (torch.save, weights_only load), restore into a fresh
+    model and optimizer, then 5 more steps of both: bit-identical parameters, and
+    the restored state keeps its dtypes (float32 factors of bfloat16 weights)."""
+    hyper = dict(
+        lr=0.01,
+        weight_decay=0.01,
+        preconditioner_update_probability=CHECKPOINT_PROBABILITY,
+        **kwargs,
+    )
+    model = _model(dtype)
+    optimizer = Kron(model.parameters(), **hyper)
+    _train(model, optimizer, 5, start=0)
+
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    restored = _model(dtype)
+    restored.load_state_dict(checkpoint["model"])
+    restored_opt = Kron(restored.parameters(), **hyper)
+    restored_opt.load_state_dict(checkpoint["opt"])
+
+    saved = optimizer.state_dict()
+    _assert_state_equal(restored_opt.state_dict(), saved)
+    for p in restored.parameters():
+        state = restored_opt.state[p]
+        factor_dtype = kwargs.get("precond_dtype", torch.float32)
+        assert all(Q.dtype == factor_dtype for Q in state[FACTORS])
+        assert state[MOMENTUM].dtype == kwargs.get("mu_dtype", dtype)
+
+    _train(model, optimizer, 5, start=5)
+    _train(restored, restored_opt, 5, start=5)
+    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
+        assert torch.equal(p, q)
+    _assert_state_equal(restored_opt.state_dict(), optimizer.state_dict())
+
+
+def test_state_dict_with_default_schedule_can_be_saved():
+    """The default update-probability schedule lives in the param groups, so
+    ``torch.save(optimizer.state_dict())`` must be able to pickle it."""
+    model = _model(torch.float32)
+    optimizer = Kron(model.parameters())
+    _train(model, optimizer, 1, start=0)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    restored = Kron(_model(torch.float32).parameters())
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+
+
+# --- bad input ------------------------------------------------------------------
+
+BAD_ARGUMENTS = [
+    (dict(lr=-1), ValueError, r"Invalid lr=-1: must be >= 0"),
+    (dict(lr=float("nan")), ValueError, r"Invalid lr=nan: must be finite"),
+    (dict(b1=1.0), ValueError, r"Invalid b1=1.0: must be in \[0.0, 1.0\)"),
+    (dict(b1=-0.1), ValueError, r"Invalid b1=-0.1: must be in \[0.0, 1.0\)"),
+    (dict(weight_decay=-0.01), ValueError, r"Invalid weight_decay=-0.01: must be >="),
+    (dict(precond_lr=-1), ValueError, r"Invalid precond_lr=-1: must be >= 0"),
+    (
+        dict(preconditioner_update_probability=0),
+        ValueError,
+        r"Invalid preconditioner_update_probability=0: must be in \(0.0, 1.0\]",
+    ),
+    (
+        dict(preconditioner_update_probability=1.5),
+        ValueError,
+        r"Invalid preconditioner_update_probability=1.5: must be in \(0.0, 1.0\]",
+    ),
+    (
+        dict(memory_save_mode="bad"),
+        ValueError,
+        r"Invalid memory_save_mode='bad': must be one of None, 'one_diag', 'all_diag'",
+    ),
+    (
+        dict(max_size_triangular=-1),
+        ValueError,
+        r"Invalid max_size_triangular=-1: must be >= 0",
+    ),
+    (
+        dict(max_size_triangular=2.5),
+        TypeError,
+        r"Invalid max_size_triangular=2.5: must be a Python int",
+    ),
+    (
+        dict(min_ndim_triangular=-1),
+        ValueError,
+        r"Invalid min_ndim_triangular=-1: must be >= 0",
+    ),
+    (
+        dict(mu_dtype=torch.int32),
+        TypeError,
+        r"Invalid mu_dtype=torch.int32: must be None or a floating torch.dtype",
+    ),
+    (
+        dict(precond_dtype="float32"),
+        TypeError,
+        r"Invalid precond_dtype='float32': must be None or a floating torch.dtype",
+    ),
+    (
+        dict(precond_init_scale=0.0),
+        ValueError,
+        r"Invalid precond_init_scale=0.0: must be > 0",
+    ),
+    (
+        dict(max_skew_triangular=-1.0),
+        ValueError,
+        r"Invalid max_skew_triangular=-1.0: must be >= 0",
+    ),
+    (
+        dict(target_merged_dim_size=0),
+        ValueError,
+        r"Invalid target_merged_dim_size=0: must be >= 1",
+    ),
+    (
+        dict(merge_small_dims=1),
+        ValueError,
+        r"Invalid merge_small_dims=1: must be one of True, False",
+    ),
+    (dict(seed=1.5), TypeError, r"Invalid seed=1.5: must be a Python int"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    BAD_ARGUMENTS,
+    ids=[
+        next(iter(kwargs)) + "=" + repr(v)
+        for kwargs, *_ in BAD_ARGUMENTS
+        for v in kwargs.values()
+    ],
+)
+def test_bad_hyperparameters_name_argument_value_and_range(kwargs, error, message):
+    params = make_params([(3,)])
+    with pytest.raises(error, match=message):
+        Kron(params, **kwargs)
+    if "seed" not in kwargs:  # seed is optimizer-wide, the rest per group
+        optimizer = Kron(params)
+        with pytest.raises(error, match=message):
+            optimizer.add_param_group({"params": make_params([(2,)]), **kwargs})
+
+
+def test_rejected_param_group_is_not_kept():
+    """A group refused by add_param_group must not stay in the optimizer: the next
+    step would use b1 = 1 (division by 1 − β₁ⁿ = 0)."""
+    params = make_params([(3,), (2,)])
+    optimizer = Kron(params[:1])
+    with pytest.raises(ValueError, match="b1"):
+        optimizer.add_param_group({"params": params[1:], "b1": 1.0})
+    assert len(optimizer.param_groups) == 1
+
+
+# --- non-finite gradients -----------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradient_skips_the_step_except_weight_decay(bad):
+    """As precond.jax.kron: a step with any NaN/±Inf gradient entry changes no
+    state (momentum, factors, counters) and moves the parameters only by the
+    decoupled weight decay θ ← θ(1 − lr·λ); the next finite step proceeds as if
+    the bad step had been that decay alone."""
+    lr, decay = 0.05, 0.1
+    hyper = dict(lr=lr, weight_decay=decay, preconditioner_update_probability=0.5)
+    grads = gradients(SHAPES, 6)
+    poisoned = [g.clone() for g in grads[3]]
+    poisoned[2].view(-1)[5] = bad  # one entry of one parameter
+
+    params = make_params(SHAPES)
+    optimizer = Kron(params, **hyper)
+    run(optimizer, params, grads[:3])
+    state = copy.deepcopy(optimizer.state_dict())
+    before = [p.detach().clone() for p in params]
+    run(optimizer, params, [poisoned])
+    _assert_state_equal(optimizer.state_dict(), state)
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b * (1 - lr * decay))
+    run(optimizer, params, grads[4:])
+    assert all(torch.isfinite(p).all() for p in params)
+    for entry in optimizer.state.values():
+        assert all(torch.isfinite(Q).all() for Q in entry[FACTORS])
+
+    oracle = make_params(SHAPES)
+    oracle_opt = Kron(oracle, **hyper)
+    run(oracle_opt, oracle, grads[:3])
+    with torch.no_grad():
+        for p in oracle:
+            p.mul_(1 - lr * decay)
+    run(oracle_opt, oracle, grads[4:])
+    for p, q in zip(params, oracle, strict=True):
+        assert torch.equal(p, q)
+    _assert_state_equal(optimizer.state_dict(), oracle_opt.state_dict())
+
+
+def test_huge_finite_gradient_is_not_mistaken_for_a_non_finite_one():
+    """A float64 gradient of 1e100 is finite although its float32 sum (the fast
+    finiteness check) overflows: the step is taken, not skipped. (Its squares,
+    1e200, still fit in float64, so the float64 fit and the RMS clip give a
+    finite step.)"""
+    p = make_params([(4, 3)])[0]
+    optimizer = Kron([p], lr=0.1, precond_dtype=torch.float64)
+    before = p.detach().clone()
+    p.grad = torch.full_like(p, 1e100)
+    assert not torch.isfinite(p.grad.sum(dtype=torch.float32))
+    optimizer.step()
+    assert optimizer.state[p][STEP] == 1
+    assert not torch.equal(p, before)
+    assert torch.isfinite(p).all()
+    # The update is clipped to RMS 1.1: a step of RMS lr·1.1.
+    rms = (before - p.detach()).square().mean().sqrt().item()
+    assert rms == pytest.approx(0.11, rel=1e-12)
+
+
+# --- the update-probability schedule -------------------------------------------
+
+SCHEDULES = [
+    {},
+    dict(max_prob=0.5),
+    dict(min_prob=0.05, decay=0.002, flat_start=1000),
+    dict(max_prob=0.9, min_prob=0.1, decay=0.01, flat_start=0),
+]
+
+
+def _update_steps(probabilities):
+    """The steps at which the counter fits the factors (both frameworks' rule)."""
+    counter, steps = 0, []
+    for n, p in enumerate(probabilities, start=1):
+        counter += 1
+        if np.float32(counter) >= np.float32(1.0) / np.float32(p):
+            counter, steps = 0, [*steps, n]
+    return steps
+
+
+@pytest.mark.parametrize("kwargs", SCHEDULES, ids=str)
+def test_schedule_matches_jax_and_fits_at_the_same_steps(kwargs):
+    """float32 values within 2 ulp of precond.jax's at steps 1..5000, equal on the
+    flat start and the floor, and the factor updates happen at the same steps.
+
+    Not bit-equal: NumPy's float32 exp is off by up to 2 ulp from the correctly
+    rounded value on these arguments, XLA's by up to 1; they differ in ~27% of the
+    annealed steps. A step fits the factors when counter >= 1/p, which an ulp of p
+    changes only if 1/p sits on an integer, so the decisions agree."""
+    n = np.arange(1, 5001)
+    with jax.enable_x64(False):
+        want = np.asarray(jax.jit(jax.vmap(jax_schedule(**kwargs)))(jnp.asarray(n)))
+    schedule = precond_update_prob_schedule(**kwargs)
+    got = np.array([schedule(int(i)) for i in n], dtype=np.float32)
+    assert want.dtype == np.float32
+    np.testing.assert_array_max_ulp(got, want, maxulp=2)
+    max_prob = np.float32(kwargs.get("max_prob", 1.0))
+    min_prob = np.float32(kwargs.get("min_prob", 0.03))
+    clipped = (want == max_prob) | (want == min_prob)
+    assert clipped.any()
+    np.testing.assert_array_equal(got[clipped], want[clipped])
+    assert _update_steps(got) == _update_steps(want)
+
+
+def test_optimizer_fits_the_factors_at_the_scheduled_steps():
+    schedule = precond_update_prob_schedule(min_prob=0.1, decay=0.2, flat_start=3)
+    p = make_params([(4, 3)])[0]
+    optimizer = Kron([p], preconditioner_update_probability=schedule)
+    fitted = []
+    for n, (g,) in enumerate(gradients([(4, 3)], 40), start=1):
+        before = [Q.clone() for Q in optimizer.state[p].get(FACTORS, [])]
+        p.grad = g
+        optimizer.step()
+        after = optimizer.state[p][FACTORS]
+        if not before or any(not torch.equal(a, b) for a, b in zip(after, before)):
+            fitted.append(n)
+    expected = _update_steps([schedule(n) for n in range(1, 41)])
+    assert fitted == expected
+    assert expected[:3] == [1, 2, 3]
+    assert len(expected) < 20
+
+
+# --- factor structure ---------------------------------------------------------
+
+STRUCTURE_CASES = [
+    ((7,), {}),
+    ((), {}),
+    ((5, 4), {}),
+    ((5, 4), dict(max_size_triangular=4)),
+    ((5, 4), dict(min_ndim_triangular=3)),
+    ((3, 4, 2), dict(min_ndim_triangular=3)),
+    ((5, 4), dict(memory_save_mode="one_diag")),
+    ((4, 4), dict(memory_save_mode="one_diag")),
+    ((3, 6, 2), dict(memory_save_mode="one_diag")),
+    ((5, 4, 3), dict(memory_save_mode="all_diag")),
+    ((1, 5), {}),
+    ((8, 4, 3, 3), dict(merge_small_dims=True)),
+    ((3, 3, 8, 4), dict(merge_small_dims=True)),
+    ((2, 3, 4, 5, 6), dict(merge_small_dims=True, target_merged_dim_size=8)),
+    ((8, 4, 3, 3), dict(merge_small_dims=True, memory_save_mode="one_diag")),
+    ((8, 4, 3, 3), dict(merge_small_dims=True, max_size_triangular=20)),
+]
+
+
+@pytest.mark.parametrize(("shape", "kwargs"), STRUCTURE_CASES, ids=str)
+def test_factor_structure_follows_the_shared_plan(shape, kwargs):
+    """One factor per (merged) axis: a (d, d) matrix, or a (d,) vector where
+    precond._common.factor_plan makes the axis diagonal; merged axes as
+    merge_dims groups them, diagonal iff all their axes are or too large."""
+    p = make_params([shape], dtype=torch.float32)[0]
+    optimizer = Kron([p], **kwargs)
+    p.grad = torch.ones_like(p)
+    optimizer.step()
+    factors = optimizer.state[p][FACTORS]
+
+    plan_shape = shape or (1,)
+    max_size = kwargs.get("max_size_triangular", 8192)
+    diagonal = plan_diagonal_axes(
+        plan_shape,
+        max_size_triangular=max_size,
+        min_ndim_triangular=kwargs.get("min_ndim_triangular", 2),
+        memory_save_mode=kwargs.get("memory_save_mode"),
+    )
+    if kwargs.get("merge_small_dims"):
+        groups = merge_dims(plan_shape, kwargs.get("target_merged_dim_size", 2048))
+        plan_shape = tuple(math.prod(plan_shape[a] for a in g) for g in groups)
+        diagonal = tuple(
+            all(diagonal[a] for a in g) or d > max_size
+            for g, d in zip(groups, plan_shape, strict=True)
+        )
+    expected = [(d,) if diag else (d, d) for d, diag in zip(plan_shape, diagonal)]
+    assert [tuple(Q.shape) for Q in factors] == expected
+    assert all(Q.dtype == torch.float32 for Q in factors)
+    for Q in factors:
+        if Q.ndim == 2:
+            assert torch.equal(Q, torch.triu(Q))
+
+
+def test_structure_examples_from_the_documentation():
+    """Hand-written expectations, independent of factor_plan's code."""
+    cases = [
+        ((7,), {}, [(7,)]),  # 1-D: diagonal
+        ((5, 4), {}, [(5, 5), (4, 4)]),
+        ((5, 4), dict(max_size_triangular=4), [(5,), (4, 4)]),
+        ((5, 4), dict(memory_save_mode="one_diag"), [(5,), (4, 4)]),
+        ((5, 4), dict(memory_save_mode="all_diag"), [(5,), (4,)]),
+        ((64, 32, 3, 3), dict(merge_small_dims=True), [(64, 64), (288, 288)]),
+        ((8, 2), dict(max_skew_triangular=1.0), [(8,), (2, 2)]),  # kron-torch rule
+    ]
+    for shape, kwargs, expected in cases:
+        p = make_params([shape], dtype=torch.float32)[0]
+        optimizer = Kron([p], **kwargs)
+        p.grad = torch.ones_like(p)
+        optimizer.step()
+        got = [tuple(Q.shape) for Q in optimizer.state[p][FACTORS]]
+        assert got == expected, (shape, kwargs)
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "precond_dtype", "factor_dtype"),
+    [
+        (torch.float32, None, torch.float32),
+        (torch.bfloat16, None, torch.float32),
+        (torch.float64, None, torch.float32),
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float64, torch.float64),
+    ],
+)
+def test_factor_and_momentum_dtypes(param_dtype, precond_dtype, factor_dtype):
+    p = make_params([(4, 3)], dtype=param_dtype)[0]
+    optimizer = Kron([p], precond_dtype=precond_dtype)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        optimizer.step()
+    state = optimizer.state[p]
+    assert [Q.dtype for Q in state[FACTORS]] == [factor_dtype] * 2
+    assert state[MOMENTUM].dtype == param_dtype
+    assert p.dtype == param_dtype
+    assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0, 2)])
+def test_parameters_with_no_entries_are_harmless(noise_by_shape, shape):
+    """As precond.jax.kron (zero updates for empty parameters): an empty parameter
+    beside a normal one neither fails nor changes the other's step."""
+    params = make_params([shape, (4, 3)])
+    alone = make_params([shape, (4, 3)])[1:]
+    optimizer = Kron(params, lr=0.1)
+    alone_opt = Kron(alone, lr=0.1)
+    for g in gradients([shape, (4, 3)], 3):
+        run(optimizer, params, [g])
+        run(alone_opt, alone, [g[1:]])
+    assert params[0].numel() == 0
+    assert torch.equal(params[1], alone[0])
