@@ -152,8 +152,10 @@ def measure_update(tx, params, grads, steps: int, warmup: int) -> dict[str, Any]
     """Times consecutive donated updates; records which ones fitted (kron)."""
     state = tx.init(params)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    start = time.perf_counter()
     compiled = jax.jit(tx.update, donate_argnums=1).lower(grads, state, params)
     compiled = compiled.compile()
+    compile_s = time.perf_counter() - start
     times, fitted = [], []
     for i in range(warmup + steps):
         start = time.perf_counter()
@@ -168,6 +170,8 @@ def measure_update(tx, params, grads, steps: int, warmup: int) -> dict[str, Any]
         "fitted": fitted,
         "state_bytes": state_bytes,
         "xla_gflop": xla_gflop(compiled),
+        "compile_s": compile_s,
+        "state": state,  # the last one
     }
 
 

@@ -106,6 +106,7 @@ class Variant:
     function: str
     hvp_probability: float | None = None  # Newton mode: hessian_helper's p
     kwargs: dict[str, Any] = field(default_factory=dict)
+    fit_label: str | None = None  # the table's "fit" cell, if not the family's
 
     @property
     def hvp(self) -> bool:
@@ -114,6 +115,8 @@ class Variant:
     @property
     def fit(self) -> str:
         """How the preconditioner is fitted, and how often."""
+        if self.fit_label is not None:
+            return self.fit_label
         if self.family == "adamw":
             return "–"
         if self.hvp:
@@ -390,51 +393,59 @@ def report(res: dict[str, Any]) -> str:
         f"{HVP_PROBABILITY:g})` for every family",
     ]
     for w in res["workloads"]:
-        base = next((r for r in w["results"] if r["variant"] == "adamw"), None)
+        out += workload_report(w)
+    return "\n".join(out) + "\n"
+
+
+def workload_report(w: dict[str, Any], heading: str = "##") -> list[str]:
+    """The Markdown section of one workload of :func:`run_workload`, under a
+    ``heading``-level title: the best run of each variant, then the final train
+    loss of every run of the sweeps."""
+    base = next((r for r in w["results"] if r["variant"] == "adamw"), None)
+    out = [
+        f"\n{heading} {w['workload']}: {w['steps']} steps, batch {w['batch_size']}\n",
+        f"{w['description']}; {w['n_train']} train / {w['n_test']} test rows."
+        + (
+            ""
+            if base is None
+            else " AdamW's step, timed in its sweep and again after the other "
+            f"variants: {1e3 * base['first_pass_median_step_s']:.2f} ms, then "
+            f"{1e3 * base['second_pass_median_step_s']:.2f} ms (median of both "
+            f"passes, {1e3 * base['median_step_s']:.2f} ms, is the × AdamW "
+            "reference)."
+        )
+        + "\n",
+        "| variant | fit | best lr | train loss | test loss | test acc | "
+        "step ms | × AdamW | mean ms | state × AdamW | compile s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in w["results"]:
+        b = r["runs"][r["best"]]
+        ratio = state = "n/a"
+        if base is not None:
+            ratio = f"{r['median_step_s'] / base['median_step_s']:.2f}"
+            state = f"{b['state_bytes'] / base['runs'][0]['state_bytes']:.2f}"
+        out.append(
+            f"| {r['label']} | {r['fit']} | {b['lr']:g} | {_loss(b)} | "
+            f"{b['test']['loss']:.4g} | {100 * b['test']['accuracy']:.1f}% | "
+            f"{1e3 * r['median_step_s']:.2f} | {ratio} | "
+            f"{1e3 * r['mean_step_s']:.2f} | {state} | {r['compile_s']:.1f} |"
+        )
+    width = max(len(r["runs"]) for r in w["results"])
+    if width > 1:
         out += [
-            f"\n## {w['workload']}: {w['steps']} steps, batch {w['batch_size']}\n",
-            f"{w['description']}; {w['n_train']} train / {w['n_test']} test rows."
-            + (
-                ""
-                if base is None
-                else " AdamW's step, timed in its sweep and again after the other "
-                f"variants: {1e3 * base['first_pass_median_step_s']:.2f} ms, then "
-                f"{1e3 * base['second_pass_median_step_s']:.2f} ms (median of both "
-                f"passes, {1e3 * base['median_step_s']:.2f} ms, is the × AdamW "
-                "reference)."
-            )
-            + "\n",
-            "| variant | fit | best lr | train loss | test loss | test acc | "
-            "step ms | × AdamW | mean ms | state × AdamW | compile s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "\nTrain loss of every run of the sweep (learning rate: loss, lowest "
+            "rate first; best in bold; diverged = a final loss above the first "
+            "step's, or 10 non-finite steps in a row, which stop the run):\n",
+            "| variant | " + " | ".join(f"lr {i + 1}" for i in range(width)) + " |",
+            "|---|" + "---:|" * width,
         ]
         for r in w["results"]:
-            b = r["runs"][r["best"]]
-            ratio = state = "n/a"
-            if base is not None:
-                ratio = f"{r['median_step_s'] / base['median_step_s']:.2f}"
-                state = f"{b['state_bytes'] / base['runs'][0]['state_bytes']:.2f}"
-            out.append(
-                f"| {r['label']} | {r['fit']} | {b['lr']:g} | {_loss(b)} | "
-                f"{b['test']['loss']:.4g} | {100 * b['test']['accuracy']:.1f}% | "
-                f"{1e3 * r['median_step_s']:.2f} | {ratio} | "
-                f"{1e3 * r['mean_step_s']:.2f} | {state} | {r['compile_s']:.1f} |"
-            )
-        width = max(len(r["runs"]) for r in w["results"])
-        if width > 1:
-            out += [
-                "\nTrain loss of every run of the sweep (learning rate: loss, lowest "
-                "rate first; best in bold; diverged = a final loss above the first "
-                "step's, or 10 non-finite steps in a row, which stop the run):\n",
-                "| variant | " + " | ".join(f"lr {i + 1}" for i in range(width)) + " |",
-                "|---|" + "---:|" * width,
-            ]
-            for r in w["results"]:
-                cells = [f"{run['lr']:g}: {_loss(run)}" for run in r["runs"]]
-                cells[r["best"]] = f"**{cells[r['best']]}**"
-                cells += [""] * (width - len(cells))
-                out.append(f"| {r['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+            cells = [f"{run['lr']:g}: {_loss(run)}" for run in r["runs"]]
+            cells[r["best"]] = f"**{cells[r['best']]}**"
+            cells += [""] * (width - len(cells))
+            out.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    return out
 
 
 COLOURS = {  # variant without "-hvp" ↦ colour; HVP variants are dashed
@@ -506,22 +517,30 @@ def _names(choices: Sequence[str], kind: str) -> Callable[[str], list[str]]:
     return parse
 
 
-def _lr_grid(text: str) -> tuple[str, list[float]]:
-    family, _, values = text.partition("=")
-    family = family.strip()
-    if family not in LR_GRIDS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give FAMILY=LR[,LR...] with FAMILY one of {', '.join(LR_GRIDS)}"
-        )
-    try:
-        lrs = sorted(float(x) for x in values.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: learning rates not numbers"
-        ) from None
-    if not lrs or not all(math.isfinite(x) and x > 0 for x in lrs):
-        raise argparse.ArgumentTypeError(f"{text!r}: learning rates must be > 0")
-    return family, lrs
+def lr_grid_parser(
+    families: Sequence[str],
+) -> Callable[[str], tuple[str, list[float]]]:
+    """An argparse type for FAMILY=LR[,LR...] with FAMILY one of ``families``."""
+
+    def parse(text: str) -> tuple[str, list[float]]:
+        family, _, values = text.partition("=")
+        family = family.strip()
+        if family not in families:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give FAMILY=LR[,LR...] with FAMILY one of "
+                + ", ".join(families)
+            )
+        try:
+            lrs = sorted(float(x) for x in values.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: learning rates not numbers"
+            ) from None
+        if not lrs or not all(math.isfinite(x) and x > 0 for x in lrs):
+            raise argparse.ArgumentTypeError(f"{text!r}: learning rates must be > 0")
+        return family, lrs
+
+    return parse
 
 
 def _positive_int(text: str) -> int:
@@ -566,7 +585,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--lr",
-        type=_lr_grid,
+        type=lr_grid_parser(list(LR_GRIDS)),
         action="append",
         default=[],
         metavar="FAMILY=LR,LR",

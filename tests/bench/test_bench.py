@@ -156,7 +156,7 @@ def test_tiny_run_writes_consistent_json(tmp_path, capsys):
     assert status == 0
     document = json.loads(path.read_text())
     runs = {run["optimizer"]: run for run in document["runs"]}
-    assert set(runs) == {"kron", "adamw"}
+    assert set(runs) == set(OPTIMIZERS) == {"kron", "adamw", "shampoo"}
     assert runs["kron"]["learning_rate"] == 5e-4
     assert runs["adamw"]["learning_rate"] == OPTIMIZERS["adamw"].default_lr
     assert document["config"]["steps"] == 5
@@ -177,14 +177,36 @@ def test_tiny_run_writes_consistent_json(tmp_path, capsys):
     # AdamW keeps two moments like the parameters, plus two int32 step counts:
     # Adam's (bias correction) and the learning-rate schedule's.
     assert runs["adamw"]["state_bytes"] == 2 * param_bytes + 2 * 4
-    # Kron keeps momentum plus preconditioner factors: more than the momentum.
+    # Kron keeps momentum plus preconditioner factors: more than the momentum;
+    # Shampoo keeps two momenta, the grafting accumulator and its statistics and
+    # roots: more than AdamW.
     assert runs["kron"]["state_bytes"] > param_bytes
+    assert runs["shampoo"]["state_bytes"] > runs["adamw"]["state_bytes"]
 
     # The table shows both runs and the state ratio of AdamW to itself.
     lines = out.splitlines()
     adamw_row = next(line for line in lines if " adamw " in line)
     assert adamw_row.split()[-1] == "1.00"
     assert any(" kron " in line for line in lines)
+
+
+def test_shampoo_weight_decay_is_decoupled():
+    import jax
+    import jax.numpy as jnp
+
+    # With zero gradients Shampoo's direction is 0, so the update is the decay
+    # alone, −lr·λ·θ, not passed through the momentum (which would give
+    # −lr·(1 + β1)·λ·θ with Nesterov, as distributed_shampoo's own weight_decay).
+    params = {"w": jnp.arange(12.0).reshape(3, 4) / 10, "b": jnp.ones(4)}
+    optimizer = OPTIMIZERS["shampoo"].make(0.1, 0.01)
+    state = optimizer.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    for _ in range(2):
+        updates, state = optimizer.update(zeros, state, params)
+        for name in params:
+            np.testing.assert_allclose(
+                updates[name], -0.1 * 0.01 * params[name], rtol=1e-6
+            )
 
 
 def test_progress_bar_goes_to_stderr(capsys):
