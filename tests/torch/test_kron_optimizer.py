@@ -298,8 +298,10 @@ CHECKPOINT_PROBABILITY = 0.4
         (torch.bfloat16, {}),
         (torch.bfloat16, {"mu_dtype": torch.float32}),
         (torch.float64, {"precond_dtype": torch.float64}),
+        (torch.bfloat16, {"preconditioner_update_style": "QUAD"}),
+        (torch.float32, {"preconditioner_update_style": "PRO"}),
     ],
-    ids=["float32", "bfloat16", "bfloat16-mu_float32", "float64"],
+    ids=["float32", "bfloat16", "bfloat16-mu_float32", "float64", "QUAD", "PRO"],
 )
 def test_state_dict_round_trip_continues_bit_identically(dtype, kwargs):
     """Train 5 steps, save (torch.save, weights_only load), restore into a fresh
@@ -331,6 +333,8 @@ def test_state_dict_round_trip_continues_bit_identically(dtype, kwargs):
         factor_dtype = kwargs.get("precond_dtype", torch.float32)
         assert all(Q.dtype == factor_dtype for Q in state[FACTORS])
         assert state[MOMENTUM].dtype == kwargs.get("mu_dtype", dtype)
+        if "preconditioner_update_style" in kwargs:
+            assert all(L.dtype == torch.float32 for L in state["lipschitz"])
 
     _train(model, optimizer, 5, start=5)
     _train(restored, restored_opt, 5, start=5)
@@ -361,6 +365,11 @@ BAD_ARGUMENTS = [
     (dict(b1=-0.1), ValueError, r"Invalid b1=-0.1: must be in \[0.0, 1.0\)"),
     (dict(weight_decay=-0.01), ValueError, r"Invalid weight_decay=-0.01: must be >="),
     (dict(precond_lr=-1), ValueError, r"Invalid precond_lr=-1: must be >= 0"),
+    (
+        dict(preconditioner_update_style="quad"),
+        ValueError,
+        r"Invalid preconditioner_update_style='quad': must be one of 'EQ', 'QUAD'",
+    ),
     (
         dict(preconditioner_update_probability=0),
         ValueError,

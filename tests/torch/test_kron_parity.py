@@ -271,6 +271,9 @@ CONFIGS = {
         dict(max_size_triangular=4, precond_lr=0.3, nan_at_step=2),
         None,
     ),
+    # The generation-2 rules (Lipschitz-normalised, solve-free), one balancing.
+    "quad_balances_at_step_2": (dict(preconditioner_update_style="QUAD"), 2),
+    "pro": (dict(preconditioner_update_style="PRO"), None),
 }
 STEPS = 3
 

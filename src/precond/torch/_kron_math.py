@@ -13,6 +13,7 @@ Symbols (Li 2015, arXiv:1512.04202; Li 2018, arXiv:1809.10232):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -170,3 +171,101 @@ def precondition(Qs: Sequence[torch.Tensor], G: torch.Tensor) -> torch.Tensor:
         G = mode_product(G, Q, axis)
         G = mode_product(G, Q if Q.ndim == 2 else Q.transpose(1, 2), axis)
     return G
+
+
+# Generation-2 update rules (Kron's preconditioner_update_style): no triangular solves.
+UPDATE_STYLES = ("EQ", "QUAD", "PRO")
+# Smoothing β_L of the Lipschitz estimates L_i of the generation-2 rules.
+LIPSCHITZ_DECAY = 0.95
+# The Procrustes rotation step is at most this (its series is second order).
+MAX_PROCRUSTES_STEP = 0.125
+
+
+def whitening_targets(
+    shape: Sequence[int], diagonal: Sequence[bool], like: torch.Tensor
+) -> list[torch.Tensor]:
+    """E[V_(i)V_(i)ᵀ] = c_i·I for V ~ N(0, I) of ``shape`` (without the stack
+    axis), c_i = ∏_{j≠i} d_j; a (d,) vector for a diagonal factor, (d, d) else
+    (broadcast over the stack), in ``like``'s dtype and device."""
+    targets = []
+    for i, (d, diag) in enumerate(zip(shape, diagonal, strict=True)):
+        c = math.prod(shape[:i]) * math.prod(shape[i + 1 :])
+        t = torch.full((d,), float(c), dtype=like.dtype, device=like.device)
+        targets.append(t if diag else torch.diag(t))
+    return targets
+
+
+def procrustes_step(Q: torch.Tensor) -> torch.Tensor:
+    """Rotates each (B, d, d) Q toward the symmetric PSD polar factor of QᵀQ:
+    R = Qᵀ − Q normalised by lb(R), Q ← Q + aRQ + (a²/2)R²Q with
+    a = min(−tr(RQ)/tr(R²Q), 1/8) when tr(R²Q) < 0, else 1/8 (P = QᵀQ kept to
+    second order in a)."""
+    R = Q.transpose(1, 2) - Q
+    R = R / (norm_lower_bound(R) + TINY)[:, None, None]
+    RQ = torch.bmm(R, Q)
+    RRQ = torch.bmm(R, RQ)
+    tr_RQ = RQ.diagonal(dim1=1, dim2=2).sum(dim=1)
+    tr_RRQ = RRQ.diagonal(dim1=1, dim2=2).sum(dim=1)
+    safe = torch.where(tr_RRQ < 0, tr_RRQ, -torch.ones_like(tr_RRQ))
+    a = torch.where(
+        tr_RRQ < 0,
+        torch.clamp(-tr_RQ / safe, max=MAX_PROCRUSTES_STEP),
+        torch.full_like(tr_RRQ, MAX_PROCRUSTES_STEP),
+    )[:, None, None]
+    return Q + a * RQ + (0.5 * a * a) * RRQ
+
+
+def update_factors_gen2(
+    Qs: Sequence[torch.Tensor],
+    lipschitz: Sequence[torch.Tensor],
+    G: torch.Tensor,
+    targets: Sequence[torch.Tensor],
+    preconditioner_lr: float,
+    style: str,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One generation-2 PSGD step ('QUAD' or 'PRO') on each stack entry, as
+    :func:`precond.jax._kron_math.update_factors_gen2`: with Pg = P·G,
+    T1 = Pg_(i)Pg_(i)ᵀ and the target T2, L_i ← max(β_L·L_i + (1 − β_L)·ℓ, ℓ),
+    ℓ = lb(T1) + lb(T2), μ = η/L_i;
+
+        PRO:  Q ← procrustes_step(Q − μ(T1 − T2)Q);  q ← q⊙(1 − μ(T1 − T2))
+        QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
+              Q ← (Q'' + Q''ᵀ)/2;  q ← q⊙(1 − (μ/2)(T1 − T2))²
+
+    ``lipschitz`` holds one (B,) tensor per axis. Returns new factors and L_i.
+    """
+    Pg = precondition(Qs, G)
+    new_Qs, new_L = [], []
+    for axis, (Q, L, T2) in enumerate(zip(Qs, lipschitz, targets, strict=True)):
+        diagonal = is_diagonal(Q)
+        T1 = unfold_gram(Pg, axis, diagonal)
+        T2 = T2.to(T1.dtype).expand_as(T1)
+        if diagonal:
+            ell = T1.amax(dim=1) + T2.amax(dim=1)
+        else:
+            ell = norm_lower_bound(T1) + norm_lower_bound(T2)
+        # β_L·L in the stored dtype (float32), as precond.jax computes it.
+        decayed = (LIPSCHITZ_DECAY * L).to(ell.dtype)
+        L = torch.maximum(decayed + (1 - LIPSCHITZ_DECAY) * ell, ell)
+        mu = preconditioner_lr / (L + TINY)
+        E = T1 - T2
+        if diagonal:
+            scale = mu if style == "PRO" else 0.5 * mu
+            gain = 1 - scale[:, None] * E
+            Q = Q * (gain if style == "PRO" else gain * gain)
+        elif style == "PRO":
+            Q = procrustes_step(Q - mu[:, None, None] * torch.bmm(E, Q))
+        else:
+            half = (0.5 * mu)[:, None, None]
+            Q = Q - half * torch.bmm(E, Q)
+            Q = Q - half * torch.bmm(Q, E)
+            Q = 0.5 * (Q + Q.transpose(1, 2))
+        new_Qs.append(Q)
+        new_L.append(L.to(lipschitz[axis].dtype))
+    return new_Qs, new_L
+
+
+def add_relative_damping_noise(G: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """G̃ = G + (δ + ε·|G|)⊙V with δ = 1e-9 and ε the machine epsilon of G's
+    dtype: the generation-2 rules' elementwise damping."""
+    return G + (1e-9 + torch.finfo(G.dtype).eps * G.abs()) * V

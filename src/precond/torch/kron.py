@@ -36,6 +36,7 @@ MAX_UPDATE_RMS = 1.1
 BALANCE_PROBABILITY = 0.01
 # Keys of self.state[p].
 STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
+LIPSCHITZ = "lipschitz"  # generation-2 styles: per axis, a float32 scalar
 
 
 def precond_update_prob_schedule(
@@ -164,6 +165,10 @@ class Kron(torch.optim.Optimizer):
         merge_small_dims: precondition in the shape that merges adjacent axes
             (``precond._common.factor_plan.merge_dims``), as precond.jax.kron.
         target_merged_dim_size: largest dim that merging may create.
+        preconditioner_update_style: 'EQ' (the generation-1 rule above),
+            'QUAD' or 'PRO' (generation-2 rules without triangular solves,
+            ``_kron_math.update_factors_gen2``; Lipschitz estimates in the
+            state), as in :func:`precond.jax.kron`.
         seed: seed of the noise and of the balancing draws (per step: every
             rank draws the same without communicating).
         strategy: how ranks share the work (:mod:`precond.torch.strategies`);
@@ -199,6 +204,7 @@ class Kron(torch.optim.Optimizer):
         max_skew_triangular: float = float("inf"),
         merge_small_dims: bool = False,
         target_merged_dim_size: int = 2048,
+        preconditioner_update_style: str = "EQ",
         seed: int = 42,
         strategy: Strategy | None = None,
         compile_kernels: bool = False,
@@ -219,6 +225,7 @@ class Kron(torch.optim.Optimizer):
             max_skew_triangular=max_skew_triangular,
             merge_small_dims=merge_small_dims,
             target_merged_dim_size=target_merged_dim_size,
+            preconditioner_update_style=preconditioner_update_style,
         )
         check_int("seed", seed)
         check_choice("compile_kernels", compile_kernels, (True, False))
@@ -281,22 +288,24 @@ class Kron(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state; factors and momenta keep their saved dtypes (torch would
-        cast them to the parameter's, e.g. float32 factors of a bfloat16 weight
-        to bfloat16)."""
+        """Loads a state; factors, momenta and Lipschitz estimates keep their
+        saved values and dtypes (torch would cast them to the parameter's dtype,
+        e.g. float32 factors of a bfloat16 weight to bfloat16)."""
+        kept = (FACTORS, MOMENTUM, LIPSCHITZ)
         saved = {
-            index: (entry.get(FACTORS), entry.get(MOMENTUM))
+            index: {key: entry[key] for key in kept if key in entry}
             for index, entry in state_dict["state"].items()
         }
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
-        for index, (factors, momentum) in saved.items():
+        for index, entries in saved.items():
             state = self.state[params[index]]
             device = params[index].device
-            if factors is not None:
-                state[FACTORS] = [q.to(device=device, copy=True) for q in factors]
-            if momentum is not None:
-                state[MOMENTUM] = momentum.to(device=device, copy=True)
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device=device, copy=True)
+                else:
+                    state[key] = [t.to(device=device, copy=True) for t in value]
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -316,6 +325,10 @@ class Kron(torch.optim.Optimizer):
             else scale * torch.eye(d, dtype=dtype, device=p.device)
             for d, diag in zip(shape, diagonal, strict=True)
         ]
+        if group["preconditioner_update_style"] != "EQ":
+            state[LIPSCHITZ] = [
+                torch.zeros((), dtype=torch.float32, device=p.device) for _ in shape
+            ]
         return state
 
     def _step_bucket(self, bucket, updates: dict[int, torch.Tensor]) -> None:
@@ -366,9 +379,33 @@ class Kron(torch.optim.Optimizer):
                 ]
             )
             target = mu_hat if group["momentum_into_precond_update"] else stacked(grads)
-            factors = self._update_factors(
-                factors, km.add_damping_noise(target, noise), noise, group["precond_lr"]
-            )
+            style = group["preconditioner_update_style"]
+            if style == "EQ":
+                factors = self._update_factors(
+                    factors,
+                    km.add_damping_noise(target, noise),
+                    noise,
+                    group["precond_lr"],
+                )
+            else:
+                lipschitz = [
+                    torch.stack([s[LIPSCHITZ][axis] for s in states])
+                    for axis in range(len(shape))
+                ]
+                targets = km.whitening_targets(
+                    shape, [km.is_diagonal(Q) for Q in factors], mu_hat
+                )
+                factors, lipschitz = km.update_factors_gen2(
+                    factors,
+                    lipschitz,
+                    km.add_relative_damping_noise(target, noise),
+                    targets,
+                    group["precond_lr"],
+                    style,
+                )
+                for i, state in enumerate(states):
+                    for axis, L in enumerate(lipschitz):
+                        state[LIPSCHITZ][axis].copy_(L[i])
             for i, state in enumerate(states):
                 for axis, Q in enumerate(factors):
                     state[FACTORS][axis].copy_(Q[i])
@@ -445,6 +482,11 @@ def _check_group(group: dict[str, Any]) -> None:
         check_real("max_skew_triangular", group["max_skew_triangular"], low=0.0)
     check_choice("merge_small_dims", group["merge_small_dims"], (True, False))
     check_int("target_merged_dim_size", group["target_merged_dim_size"], low=1)
+    check_choice(
+        "preconditioner_update_style",
+        group["preconditioner_update_style"],
+        km.UPDATE_STYLES,
+    )
 
 
 def _check_parameter(p: torch.Tensor) -> None:
