@@ -613,7 +613,7 @@ def test_factor_structure_follows_the_shared_plan(shape, kwargs):
     precond._common.factor_plan makes the axis diagonal; merged axes as
     merge_dims groups them, diagonal iff all their axes are or too large."""
     p = make_params([shape], dtype=torch.float32)[0]
-    optimizer = Kron([p], **kwargs)
+    optimizer = Kron([p], preconditioner_cache=None, **kwargs)  # Q as it is
     p.grad = torch.ones_like(p)
     optimizer.step()
     factors = optimizer.state[p][FACTORS]
@@ -654,7 +654,7 @@ def test_structure_examples_from_the_documentation():
     ]
     for shape, kwargs, expected in cases:
         p = make_params([shape], dtype=torch.float32)[0]
-        optimizer = Kron([p], **kwargs)
+        optimizer = Kron([p], preconditioner_cache=None, **kwargs)
         p.grad = torch.ones_like(p)
         optimizer.step()
         got = [tuple(Q.shape) for Q in optimizer.state[p][FACTORS]]
@@ -697,3 +697,40 @@ def test_parameters_with_no_entries_are_harmless(noise_by_shape, shape):
         run(alone_opt, alone, [g[1:]])
     assert params[0].numel() == 0
     assert torch.equal(params[1], alone[0])
+
+
+@pytest.mark.parametrize("style", ["EQ", "QUAD", "PRO"])
+@pytest.mark.parametrize("cache", ["packed", "dense"])
+def test_cached_layouts_give_the_updates_of_plain_factors(style, cache):
+    """Caching P = QᵀQ (packed beside Q, or stacked with it) changes how the
+    update is computed, not what it is: float64, 6 steps with fits every other
+    step, equal to the uncached optimizer to 1e-12; the packed state holds Q in
+    its upper triangle and QᵀQ below and in its last row."""
+    shapes = [(5, 4), (6,), (3, 2, 4)]
+    runs = {}
+    for layout in (cache, None):
+        params = make_params(shapes, dtype=torch.float64)
+        optimizer = Kron(
+            params,
+            lr=0.05,
+            preconditioner_update_probability=0.5,
+            precond_dtype=torch.float64,
+            preconditioner_update_style=style,
+            preconditioner_cache=layout,
+        )
+        for grads in gradients(shapes, 6, dtype=torch.float64):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            optimizer.step()
+        runs[layout] = (params, optimizer)
+    for got, want in zip(runs[cache][0], runs[None][0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if cache == "packed" and style != "PRO":
+        optimizer = runs["packed"][1]
+        packed = optimizer.state[runs["packed"][0][0]][FACTORS][0]  # (5 + 1, 5)
+        Q = torch.triu(packed[:-1])
+        if style == "QUAD":
+            Q = Q + torch.triu(Q, 1).T
+        P = Q.T @ Q
+        torch.testing.assert_close(torch.tril(packed[:-1], -1), torch.tril(P, -1))
+        torch.testing.assert_close(packed[-1], torch.diagonal(P))

@@ -173,6 +173,25 @@ def precondition(Qs: Sequence[torch.Tensor], G: torch.Tensor) -> torch.Tensor:
     return G
 
 
+def pack_factor(Q: torch.Tensor) -> torch.Tensor:
+    """Packs each upper-triangular Q and P = QᵀQ into one (B, d + 1, d) array: Q
+    in the upper triangle, P's strict lower triangle below it, diag(P) last."""
+    P = factor_gram(Q)
+    body = torch.triu(Q) + torch.tril(P, -1)
+    return torch.cat([body, P.diagonal(dim1=1, dim2=2)[:, None, :]], dim=1)
+
+
+def unpack_factor(packed: torch.Tensor) -> torch.Tensor:
+    """The triangular Q stored in a packed factor."""
+    return torch.triu(packed[:, :-1])
+
+
+def unpack_gram(packed: torch.Tensor) -> torch.Tensor:
+    """The symmetric P = QᵀQ stored in a packed factor."""
+    strict_lower = torch.tril(packed[:, :-1], -1)
+    return strict_lower + strict_lower.transpose(1, 2) + torch.diag_embed(packed[:, -1])
+
+
 # Generation-2 update rules (Kron's preconditioner_update_style): no triangular solves.
 UPDATE_STYLES = ("EQ", "QUAD", "PRO")
 # Smoothing β_L of the Lipschitz estimates L_i of the generation-2 rules.

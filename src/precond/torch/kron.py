@@ -37,6 +37,9 @@ BALANCE_PROBABILITY = 0.01
 # Keys of self.state[p].
 STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
 LIPSCHITZ = "lipschitz"  # generation-2 styles: per axis, a float32 scalar
+# Layouts of a triangular factor's state: Q with P = QᵀQ packed into one (d + 1, d)
+# array, Q and P stacked (2, d, d), or Q alone (d, d); as precond.jax.kron.
+PRECONDITIONER_CACHES = ("packed", "dense", None)
 
 
 def precond_update_prob_schedule(
@@ -205,6 +208,7 @@ class Kron(torch.optim.Optimizer):
         merge_small_dims: bool = False,
         target_merged_dim_size: int = 2048,
         preconditioner_update_style: str = "EQ",
+        preconditioner_cache: str | None = "packed",
         seed: int = 42,
         strategy: Strategy | None = None,
         compile_kernels: bool = False,
@@ -226,6 +230,7 @@ class Kron(torch.optim.Optimizer):
             merge_small_dims=merge_small_dims,
             target_merged_dim_size=target_merged_dim_size,
             preconditioner_update_style=preconditioner_update_style,
+            preconditioner_cache=preconditioner_cache,
         )
         check_int("seed", seed)
         check_choice("compile_kernels", compile_kernels, (True, False))
@@ -319,10 +324,13 @@ class Kron(torch.optim.Optimizer):
         state[MOMENTUM] = torch.zeros_like(
             p, dtype=group["mu_dtype"] or p.dtype, memory_format=torch.preserve_format
         )
+        cache, work = _cache(group), torch.promote_types(dtype, torch.float32)
         state[FACTORS] = [
             torch.full((d,), scale, dtype=dtype, device=p.device)
             if diag
-            else scale * torch.eye(d, dtype=dtype, device=p.device)
+            else _stored(
+                scale * torch.eye(d, dtype=work, device=p.device)[None], cache, dtype
+            )[0]
             for d, diag in zip(shape, diagonal, strict=True)
         ]
         if group["preconditioner_update_style"] != "EQ":
@@ -355,7 +363,8 @@ class Kron(torch.optim.Optimizer):
             return torch.stack([t.to(dtype).reshape(shape) for t in tensors])
 
         mu_hat = stacked(momenta) / correction if b1 > 0 else stacked(grads)
-        factors = [
+        cache, style = _cache(group), group["preconditioner_update_style"]
+        stored = [
             torch.stack([s[FACTORS][axis] for s in states]).to(dtype)
             for axis in range(len(shape))
         ]
@@ -370,6 +379,7 @@ class Kron(torch.optim.Optimizer):
             for state in states:
                 state[UPDATE_COUNTER] = 0
             device = mu_hat.device
+            factors = [_factor_of(F, cache, style) for F in stored]
             if balance_draw(self.seed, step) < BALANCE_PROBABILITY:
                 factors = km.balance_factors(factors)
             noise = torch.stack(
@@ -379,7 +389,6 @@ class Kron(torch.optim.Optimizer):
                 ]
             )
             target = mu_hat if group["momentum_into_precond_update"] else stacked(grads)
-            style = group["preconditioner_update_style"]
             if style == "EQ":
                 factors = self._update_factors(
                     factors,
@@ -406,16 +415,56 @@ class Kron(torch.optim.Optimizer):
                 for i, state in enumerate(states):
                     for axis, L in enumerate(lipschitz):
                         state[LIPSCHITZ][axis].copy_(L[i])
+            stored = [_stored(Q, cache, factor_dtype).to(dtype) for Q in factors]
             for i, state in enumerate(states):
-                for axis, Q in enumerate(factors):
-                    state[FACTORS][axis].copy_(Q[i])
-        U = km.precondition(factors, mu_hat)
+                for axis, F in enumerate(stored):
+                    state[FACTORS][axis].copy_(F[i])
+        if cache is None:
+            U = km.precondition(stored, mu_hat)
+        else:  # U = G ×_1 P_1 … ×_k P_k with the cached P_i = Q_iᵀQ_i
+            U = km.apply_along_axes([_gram_of(F, cache) for F in stored], mu_hat)
         rms = U.square().reshape(U.shape[0], -1).mean(dim=1).sqrt()
         U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
             (-1,) + (1,) * (U.ndim - 1)
         )
         for (_, p, index), u in zip(bucket, U, strict=True):
             updates[index] = u.reshape(p.shape)
+
+
+def _cache(group: dict[str, Any]) -> str | None:
+    """The factor layout of a group: 'packed' cannot hold PRO's full Q."""
+    cache = group["preconditioner_cache"]
+    if cache == "packed" and group["preconditioner_update_style"] == "PRO":
+        return "dense"
+    return cache
+
+
+def _stored(Q: torch.Tensor, cache: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """The state array of a (B, ...) stack of factors in the cache layout."""
+    if Q.ndim == 2 or cache is None:  # diagonal factors are stored as they are
+        return Q.to(dtype)
+    if cache == "packed":
+        return km.pack_factor(Q).to(dtype)
+    return torch.stack([Q, km.factor_gram(Q)], dim=1).to(dtype)
+
+
+def _factor_of(F: torch.Tensor, cache: str | None, style: str) -> torch.Tensor:
+    """Q (or the diagonal q) from a stack of state arrays."""
+    if F.ndim == 2 or cache is None:
+        return F
+    if cache == "dense":
+        return F[:, 0]
+    Q = km.unpack_factor(F)
+    if style == "QUAD":  # symmetric: only its upper triangle is stored
+        Q = Q + torch.triu(Q, 1).transpose(1, 2)
+    return Q
+
+
+def _gram_of(F: torch.Tensor, cache: str) -> torch.Tensor:
+    """P = QᵀQ (q² for a diagonal factor) from a stack of cached state arrays."""
+    if F.ndim == 2:
+        return F * F
+    return F[:, 1] if cache == "dense" else km.unpack_gram(F)
 
 
 def _buckets(entries, optimizer_state) -> dict[tuple, list]:
@@ -486,6 +535,9 @@ def _check_group(group: dict[str, Any]) -> None:
         "preconditioner_update_style",
         group["preconditioner_update_style"],
         km.UPDATE_STYLES,
+    )
+    check_choice(
+        "preconditioner_cache", group["preconditioner_cache"], PRECONDITIONER_CACHES
     )
 
 
