@@ -613,7 +613,7 @@ def test_factor_structure_follows_the_shared_plan(shape, kwargs):
     precond._common.factor_plan makes the axis diagonal; merged axes as
     merge_dims groups them, diagonal iff all their axes are or too large."""
     p = make_params([shape], dtype=torch.float32)[0]
-    optimizer = Kron([p], preconditioner_cache=None, **kwargs)  # Q as it is
+    optimizer = Kron([p], **kwargs)
     p.grad = torch.ones_like(p)
     optimizer.step()
     factors = optimizer.state[p][FACTORS]
@@ -654,7 +654,7 @@ def test_structure_examples_from_the_documentation():
     ]
     for shape, kwargs, expected in cases:
         p = make_params([shape], dtype=torch.float32)[0]
-        optimizer = Kron([p], preconditioner_cache=None, **kwargs)
+        optimizer = Kron([p], **kwargs)
         p.grad = torch.ones_like(p)
         optimizer.step()
         got = [tuple(Q.shape) for Q in optimizer.state[p][FACTORS]]
