@@ -22,11 +22,13 @@ from tests.jax.helpers import float64
 from tests.jax.test_psgd_conformance import _noisy_final_loss, _quadratic, _train
 
 PARAMS = {"w": jnp.ones((6, 5)), "b": jnp.zeros(5), "conv": jnp.ones((3, 2, 2, 2))}
-# Uneven blocks (300 = 128 + 128 + 44), a merged 3-D tensor, a bias and a scalar.
-BIG_PARAMS = {
-    "w": jnp.full((300, 70), 0.1),
-    "b": jnp.zeros(70),
-    "c": jnp.ones((2, 3, 64)),
+# With BLOCK = 16: uneven blocks (40 = 16 + 16 + 8), a 3-D tensor merged to (6, 8),
+# a bias and a scalar.
+BLOCK = 16
+BLOCKED_PARAMS = {
+    "w": jnp.full((40, 12), 0.1),
+    "b": jnp.zeros(12),
+    "c": jnp.ones((2, 3, 8)),
     "s": jnp.ones(()),
 }
 ADAM_LEARNING_RATES = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003)
@@ -254,12 +256,12 @@ def test_sharded_equals_unsharded_on_8_devices(mode):
     """
     kwargs = dict(start_preconditioning_step=1, **SHARDED_MODES[mode])
     with float64():
-        params = jax.tree.map(lambda x: x.astype(jnp.float64), BIG_PARAMS)
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), BLOCKED_PARAMS)
         want, _ = _run(
-            pj.distributed_shampoo(0.1, 128, start_preconditioning_step=1), params, 4
+            pj.distributed_shampoo(0.1, BLOCK, start_preconditioning_step=1), params, 4
         )
         with jax.set_mesh(_mesh()):
-            optimizer = pj.distributed_shampoo(0.1, 128, **kwargs)
+            optimizer = pj.distributed_shampoo(0.1, BLOCK, **kwargs)
             got, state = _run(optimizer, params, 4)
     for stack in state.statistics:
         values = stack.values if hasattr(stack, "values") else stack
@@ -301,9 +303,9 @@ def test_sharded_memory_mode_trains_like_unsharded_memory_mode():
 def test_named_sharding_needs_no_ambient_mesh():
     """A NamedSharding carries its mesh: no jax.set_mesh around the calls."""
     spec = NamedSharding(_mesh(), P("data", None, None))
-    optimizer = pj.distributed_shampoo(0.1, 128, preconditioner_partition_spec=spec)
-    got, _ = _run(optimizer, BIG_PARAMS, 2)
-    want, _ = _run(pj.distributed_shampoo(0.1, 128), BIG_PARAMS, 2)
+    optimizer = pj.distributed_shampoo(0.1, BLOCK, preconditioner_partition_spec=spec)
+    got, _ = _run(optimizer, BLOCKED_PARAMS, 2)
+    want, _ = _run(pj.distributed_shampoo(0.1, BLOCK), BLOCKED_PARAMS, 2)
     _assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -318,9 +320,11 @@ def test_partition_specs_and_shapes_describe_the_state():
     )
     param_specs = {"w": P(), "b": P(), "c": P(None, None, "data"), "s": P()}
     with jax.set_mesh(_mesh()):
-        shapes = pj.distributed_shampoo_state_shapes(BIG_PARAMS, 0.1, 128, **kwargs)
+        shapes = pj.distributed_shampoo_state_shapes(
+            BLOCKED_PARAMS, 0.1, BLOCK, **kwargs
+        )
         specs = pj.distributed_shampoo_partition_specs(
-            BIG_PARAMS, param_specs, 0.1, 128, **kwargs
+            BLOCKED_PARAMS, param_specs, 0.1, BLOCK, **kwargs
         )
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(shapes)
@@ -336,11 +340,11 @@ def test_partition_specs_and_shapes_describe_the_state():
             P(None, None, "data"), P(None, "data"), None
         )
         assert specs.statistics[0].values == P("data", None, None)
-        optimizer = pj.distributed_shampoo(0.1, 128, **kwargs)
+        optimizer = pj.distributed_shampoo(0.1, BLOCK, **kwargs)
         shardings = jax.tree.map(
             lambda s: NamedSharding(_mesh(), s), specs, is_leaf=is_spec
         )
-        state = jax.jit(optimizer.init, out_shardings=shardings)(BIG_PARAMS)
+        state = jax.jit(optimizer.init, out_shardings=shardings)(BLOCKED_PARAMS)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(
         lambda x: (x.shape, x.dtype), shapes
     )
@@ -473,10 +477,10 @@ def _nan_in_first_stack(state):
 @pytest.mark.parametrize("eigh", [False, True])
 def test_nan_statistics_keep_the_previous_root_and_show_in_the_metrics(eigh):
     optimizer = pj.distributed_shampoo(
-        0.1, 128, start_preconditioning_step=0, eigh=eigh
+        0.1, BLOCK, start_preconditioning_step=0, eigh=eigh
     )
     update = jax.jit(optimizer.update)
-    params, state = _run(optimizer, BIG_PARAMS, 2, update=update)
+    params, state = _run(optimizer, BLOCKED_PARAMS, 2, update=update)
     state = _nan_in_first_stack(state)
     before = state.preconditioners[0]
     for step in range(3):
