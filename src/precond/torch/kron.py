@@ -175,11 +175,11 @@ class Kron(torch.optim.Optimizer):
         preconditioner_cache: how a triangular factor is stored: None (Q alone,
             kron-torch's layout), 'dense' (Q and the cached P = QᵀQ: twice the
             factor memory; steps without a fit apply P in one matmul per axis
-            instead of two, 13% faster on a CPU at p = 0.03) or 'packed' (Q and
-            P in one (d + 1, d) array, about Q's memory, as precond.jax.kron's
-            default; on a CPU unpacking P costs more than the matmul it saves:
-            55% slower). 'PRO', whose Q is not triangular, stores 'packed' as
-            'dense'.
+            instead of two) or 'packed' (Q and P in one (d + 1, d) array, about
+            Q's memory, as precond.jax.kron's default; unpacking P is an
+            elementwise pass over each factor every step, which on a CPU can
+            cost more than the matmul it saves). 'PRO', whose Q is not
+            triangular, stores 'packed' as 'dense'.
         seed: seed of the noise and of the balancing draws (per step: every
             rank draws the same without communicating).
         strategy: how ranks share the work (:mod:`precond.torch.strategies`);
