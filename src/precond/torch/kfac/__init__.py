@@ -1,0 +1,26 @@
+"""K-FAC for PyTorch with KAISA's distribution strategies.
+
+``from precond.torch.kfac import KFAC, DistributedStrategy`` replaces
+``from kfac import KFAC, DistributedStrategy`` (KAISA's argument names, meanings
+and defaults). See :mod:`precond.torch.kfac.preconditioner`.
+"""
+
+from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
+from precond.torch.kfac.preconditioner import (
+    KFAC,
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+)
+from precond.torch.kfac.scheduler import KFACParamScheduler
+
+__all__ = [
+    "KFAC",
+    "AssignmentStrategy",
+    "ComputeMethod",
+    "DistributedStrategy",
+    "KFACParamScheduler",
+    "LayerWork",
+    "WorkerGrid",
+    "assign_layers",
+]

@@ -1,0 +1,162 @@
+"""The layers K-FAC preconditions: their Kronecker factors and gradient layout.
+
+For a layer computing ``s = W ā`` on rows ``ā = [a, 1]`` (the bias column when the
+layer has a bias), K-FAC approximates the Fisher block of ``vec(W)`` by ``A ⊗ G``
+with ``A = E[ā āᵀ]`` over the rows and ``G = E[g gᵀ]``, g the gradient of the loss
+with respect to ``s`` as autograd sees it (so it already holds the 1/N of a mean
+loss). A ``Conv2d`` is a linear layer applied at every output position to the
+unfolded input patch; both its patch rows and its output-gradient rows are divided
+by the number of positions S = oh·ow (KAISA's convention), so A = āᵀā/(N·S).
+
+:class:`KFACLayer` holds one registered module's factors and second-order data; the
+functions here are the math, shared by the hooks and the tests' references.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "KFACLayer",
+    "covariance",
+    "input_rows",
+    "output_grad_rows",
+    "unsupported_reason",
+]
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why K-FAC cannot precondition ``module`` (``None`` if it can)."""
+    if type(module) not in (nn.Linear, nn.Conv2d):
+        return f"{type(module).__name__} is not nn.Linear or nn.Conv2d"
+    if not module.weight.requires_grad:
+        return "its weight does not require a gradient"
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return (
+            f"groups={module.groups}: a grouped convolution has one factor pair "
+            "per group, which is not supported"
+        )
+    return None
+
+
+def _has_bias(module: nn.Module) -> bool:
+    return getattr(module, "bias", None) is not None
+
+
+def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The rows ā whose second moment is A: shape (rows, in_features [+ 1]).
+
+    Linear: every leading dim of ``x`` is a row. Conv2d: one row per output position
+    per example, the patch the kernel sees (``F.unfold`` with the layer's kernel,
+    dilation and stride, after the layer's own padding), divided by S = oh·ow.
+    """
+    if isinstance(module, nn.Conv2d):
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+            padding = 0
+        else:
+            padding = module.padding
+        patches = F.unfold(
+            x,
+            module.kernel_size,
+            dilation=module.dilation,
+            padding=padding,
+            stride=module.stride,
+        )  # (N, C·kh·kw, S)
+        positions = patches.shape[-1]
+        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+    else:
+        positions = 1
+        rows = x.reshape(-1, x.shape[-1])
+    if _has_bias(module):
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    return rows / positions if positions > 1 else rows
+
+
+def output_grad_rows(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
+    """The rows g whose second moment is G: shape (rows, out_features).
+
+    Conv2d: (N, C_out, oh, ow) → (N·oh·ow, C_out), divided by S = oh·ow.
+    """
+    if isinstance(module, nn.Conv2d):
+        positions = g.shape[2] * g.shape[3]
+        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]) / positions
+    return g.reshape(-1, g.shape[-1])
+
+
+def covariance(rows: torch.Tensor) -> torch.Tensor:
+    """``sym(rowsᵀ rows) / n_rows``: the second moment of the rows."""
+    cov = rows.T @ rows / rows.shape[0]
+    return (cov + cov.T) / 2
+
+
+class KFACLayer:
+    """One registered module: its running factors A and G, the contributions the
+    hooks collected since the last fold, and its second-order data.
+
+    ``grad_matrix`` / ``set_grad`` convert between the module's ``.grad`` tensors and
+    the (out, in [+1]) matrix ∇ = [∇W_flat | ∇b] that A and G act on.
+    """
+
+    def __init__(self, name: str, module: nn.Module):
+        self.name = name
+        self.module = module
+        self.has_bias = _has_bias(module)
+        weight = module.weight
+        self.g_dim = weight.shape[0]
+        self.a_dim = weight[0].numel() + int(self.has_bias)
+        # Sums of per-pass contributions since the last fold, and their counts.
+        self.a_sum: torch.Tensor | None = None
+        self.g_sum: torch.Tensor | None = None
+        self.a_count = 0
+        self.g_count = 0
+        # Running factors (None until the first fold).
+        self.A: torch.Tensor | None = None
+        self.G: torch.Tensor | None = None
+        # Second-order data by name (eigenvectors, eigenvalues, inverses), held on
+        # the layer's gradient workers only.
+        self.second_order: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"KFACLayer({self.name!r}, {type(self.module).__name__}, "
+            f"A {self.a_dim}×{self.a_dim}, G {self.g_dim}×{self.g_dim})"
+        )
+
+    def add_a(self, contribution: torch.Tensor) -> None:
+        self.a_sum = contribution if self.a_sum is None else self.a_sum + contribution
+        self.a_count += 1
+
+    def add_g(self, contribution: torch.Tensor) -> None:
+        self.g_sum = contribution if self.g_sum is None else self.g_sum + contribution
+        self.g_count += 1
+
+    def clear_contributions(self) -> None:
+        self.a_sum = self.g_sum = None
+        self.a_count = self.g_count = 0
+
+    def has_grad(self) -> bool:
+        return self.module.weight.grad is not None
+
+    def grad_matrix(self) -> torch.Tensor:
+        """∇ = [∇W reshaped to (out, rest) | ∇b]: shape (g_dim, a_dim)."""
+        grad = self.module.weight.grad.reshape(self.g_dim, -1)
+        if self.has_bias:
+            bias_grad = self.module.bias.grad
+            if bias_grad is None:
+                bias_grad = torch.zeros_like(self.module.bias)
+            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
+        return grad
+
+    def set_grad(self, matrix: torch.Tensor) -> None:
+        """Writes ``matrix`` (g_dim, a_dim) back into the weight and bias grads."""
+        weight = self.module.weight
+        weight.grad.copy_(matrix[:, : weight[0].numel()].reshape(weight.shape))
+        if self.has_bias:
+            bias = self.module.bias
+            if bias.grad is None:
+                bias.grad = torch.zeros_like(bias)
+            bias.grad.copy_(matrix[:, -1])

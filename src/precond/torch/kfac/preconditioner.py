@@ -1,0 +1,731 @@
+"""``KFAC``: a K-FAC gradient preconditioner for (distributed) PyTorch training.
+
+Used beside any optimizer, KAISA's way::
+
+    loss.backward()
+    preconditioner.step()   # replaces .grad of registered layers by K-FAC's
+    optimizer.step()
+
+Per step t (the count of ``step()`` calls):
+
+1. Forward/backward hooks collect each registered layer's factor contributions
+   A_batch = E[ā āᵀ] and G_batch = E[g gᵀ] (see :mod:`.layers`) when
+   ``t % factor_update_steps == 0``. Micro-batches (``accumulation_steps``) are
+   averaged. Factors are kept in float32 at least (``factor_dtype``), and under
+   AMP g is divided by the ``grad_scaler``'s scale.
+2. ``step()`` all-reduces the contributions (mean over ranks) and folds them in:
+   F ← α F + (1 − α) F_batch, F starting at I. A contribution that is not finite is
+   dropped, so a NaN/Inf gradient never reaches the factors.
+3. When ``t % inv_update_steps == 0`` each layer's inverse worker decomposes (eigen)
+   or inverts (inverse) its factors and broadcasts the result to the layer's
+   gradient workers (:mod:`.assignment`).
+4. The gradient workers precondition ∇ (:mod:`.second_order`) and broadcast the
+   result to the other ranks of their row; all ranks scale every layer by the
+   KL-clip factor ν and write it into ``.grad``.
+
+Data parallelism: the gradients must be averaged over ranks (DDP does this), so
+the loss being minimised is the mean of the ranks' losses and the output gradient
+of the global loss is g/W. The hooks use g/W, so the factors (and every step) are
+those of one process on the global batch: K-FAC does not change with the number of
+ranks (KAISA's G grows with W², which changes what a given damping means).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import numbers
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from precond._common.validation import check_int, check_real
+from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
+from precond.torch.kfac.communication import Communicator
+from precond.torch.kfac.layers import (
+    KFACLayer,
+    covariance,
+    input_rows,
+    output_grad_rows,
+    unsupported_reason,
+)
+from precond.torch.kfac.second_order import (
+    damped_inverse,
+    eigen_decomposition,
+    kl_clip_scale,
+    precondition_eigen,
+    precondition_inverse,
+)
+
+__all__ = ["KFAC", "AssignmentStrategy", "ComputeMethod", "DistributedStrategy"]
+
+logger = logging.getLogger("precond.torch.kfac")
+
+
+class DistributedStrategy(enum.Enum):
+    """Preset gradient-worker fractions: 1, 1/2 and 1/world_size."""
+
+    COMM_OPT = 1
+    HYBRID_OPT = 2
+    MEM_OPT = 3
+
+
+class ComputeMethod(enum.Enum):
+    """Eigendecompositions ((G ⊗ A + λI)⁻¹) or damped inverses ((G+λI)⁻¹⊗(A+λI)⁻¹)."""
+
+    EIGEN = 1
+    INVERSE = 2
+
+
+class AssignmentStrategy(enum.Enum):
+    """Cost of a factor for load balancing: dim³ (compute) or dim² (memory)."""
+
+    COMPUTE = 1
+    MEMORY = 2
+
+
+Schedulable = Callable[[int], float] | float
+
+
+def _enum_member(name: str, value: Any, enum_type: type[enum.Enum]) -> enum.Enum:
+    if isinstance(value, enum_type):
+        return value
+    if isinstance(value, str) and value.upper() in enum_type.__members__:
+        return enum_type[value.upper()]
+    choices = ", ".join(f"{enum_type.__name__}.{m}" for m in enum_type.__members__)
+    raise ValueError(
+        f"Invalid {name}={value!r}: must be one of {choices} (or its name as a str)"
+    )
+
+
+def _grad_workers(fraction: Any, world_size: int) -> int:
+    """The number of gradient workers per layer for ``grad_worker_fraction``."""
+    if isinstance(fraction, DistributedStrategy):
+        return {
+            DistributedStrategy.COMM_OPT: world_size,
+            DistributedStrategy.HYBRID_OPT: max(1, world_size // 2),
+            DistributedStrategy.MEM_OPT: 1,
+        }[fraction]
+    check_real("grad_worker_fraction", fraction, low=0.0, high=1.0)
+    workers = max(1, round(world_size * fraction))
+    if world_size % workers:
+        raise ValueError(
+            f"Invalid grad_worker_fraction={fraction!r}: with world size "
+            f"{world_size} it gives {workers} gradient workers per layer, which "
+            "must divide the world size (use a DistributedStrategy, or a fraction "
+            "k/world_size with k dividing world_size)"
+        )
+    return workers
+
+
+def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
+    return any(
+        re.fullmatch(p, name) or re.fullmatch(p, type(module).__name__)
+        for p in patterns
+    )
+
+
+class KFAC:
+    """K-FAC gradient preconditioner with KAISA's distribution strategies.
+
+    Args (KAISA's names, meanings and defaults; those marked "schedulable" may also
+    be a callable of the step count ``steps``):
+        model: the module whose ``nn.Linear`` and ``nn.Conv2d`` layers (exact types;
+            grouped convolutions excepted) are registered, walking it recursively.
+        factor_update_steps: steps between factor updates (schedulable).
+        inv_update_steps: steps between decompositions (schedulable).
+        damping: λ > 0 (schedulable).
+        factor_decay: running-average coefficient α in (0, 1] (schedulable).
+        kl_clip: κ > 0 of the KL clip, or ``None`` for no clip (schedulable).
+        lr: the learning rate, used by the KL clip only (schedulable).
+        accumulation_steps: forward/backward passes per step; contributions of the
+            passes of a step are averaged (a warning says if a layer saw another
+            number).
+        allreduce_bucket_cap_mb: bucket size of the factor all-reduce (0: none).
+        assignment_strategy: ``AssignmentStrategy`` (or 'compute'/'memory').
+        colocate_factors: decompose a layer's A and G on the same rank.
+        compute_method: ``ComputeMethod`` (or 'eigen'/'inverse').
+        compute_eigenvalue_outer_product: eigen only: precompute 1 ⊘ (d_G d_Aᵀ + λ)
+            on the inverse worker (needs ``colocate_factors``).
+        grad_worker_fraction: a ``DistributedStrategy`` or a fraction in [0, 1]
+            (0 means 1/world_size) of ranks that precondition each layer.
+        symmetry_aware: send symmetric matrices as their upper triangle.
+        grad_scaler: a ``torch.amp.GradScaler`` (or a callable returning the loss
+            scale) whose scale the output gradients are divided by.
+        factor_dtype: dtype of the factors (default: the weight's dtype promoted to
+            at least float32).
+        inv_dtype: dtype of decompositions and preconditioning (default float32).
+        skip_layers: regular expressions; a module whose name or class name matches
+            one (in full) is not registered, nor is anything inside it.
+        update_factors_in_hook: accepted for KAISA compatibility: contributions are
+            always computed in the hooks and folded in by ``step()``.
+        loglevel: level of the registration and assignment log lines.
+        layers: precond extension: names of the modules to register (default:
+            every supported one). A named module that is not supported is an error.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: Callable[[int], int] | int = 1,
+        inv_update_steps: Callable[[int], int] | int = 1,
+        damping: Schedulable = 0.001,
+        factor_decay: Schedulable = 0.95,
+        kl_clip: Schedulable | None = 0.001,
+        lr: Schedulable = 0.1,
+        accumulation_steps: int = 1,
+        allreduce_bucket_cap_mb: float = 25.0,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool = True,
+        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+        compute_eigenvalue_outer_product: bool = True,
+        grad_worker_fraction: DistributedStrategy | float = (
+            DistributedStrategy.COMM_OPT
+        ),
+        symmetry_aware: bool = False,
+        grad_scaler: Any = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype = torch.float32,
+        skip_layers: Sequence[str] | None = None,
+        update_factors_in_hook: bool = True,
+        loglevel: int = logging.DEBUG,
+        layers: Sequence[str] | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Invalid model={model!r}: must be a torch.nn.Module")
+        for name, value in (
+            ("factor_update_steps", factor_update_steps),
+            ("inv_update_steps", inv_update_steps),
+        ):
+            if not callable(value):
+                check_int(name, value, low=1)
+        check_real(
+            "damping", damping, low=0.0, low_inclusive=False, allow_schedule=True
+        )
+        check_real(
+            "factor_decay",
+            factor_decay,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            allow_schedule=True,
+        )
+        if kl_clip is not None:
+            check_real(
+                "kl_clip", kl_clip, low=0.0, low_inclusive=False, allow_schedule=True
+            )
+        check_real("lr", lr, low=0.0, allow_schedule=True)
+        check_int("accumulation_steps", accumulation_steps, low=1)
+        check_real("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb, low=0.0)
+        assignment_strategy = _enum_member(
+            "assignment_strategy", assignment_strategy, AssignmentStrategy
+        )
+        compute_method = _enum_member("compute_method", compute_method, ComputeMethod)
+        for name, value in (
+            ("factor_dtype", factor_dtype),
+            ("inv_dtype", inv_dtype),
+        ):
+            if value is None and name == "factor_dtype":
+                continue
+            if not isinstance(value, torch.dtype) or not value.is_floating_point:
+                raise TypeError(
+                    f"Invalid {name}={value!r}: must be a floating torch.dtype"
+                )
+        if inv_dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"Invalid inv_dtype={inv_dtype!r}: must be float32 or float64 "
+                "(eigh and inv do not run in half precision)"
+            )
+        if (
+            compute_method is ComputeMethod.EIGEN
+            and compute_eigenvalue_outer_product
+            and not colocate_factors
+        ):
+            raise ValueError(
+                "Invalid colocate_factors=False: compute_eigenvalue_outer_product="
+                "True needs both factors of a layer on one rank (set "
+                "colocate_factors=True or compute_eigenvalue_outer_product=False)"
+            )
+        if grad_scaler is not None and not (
+            hasattr(grad_scaler, "get_scale") or callable(grad_scaler)
+        ):
+            raise TypeError(
+                f"Invalid grad_scaler={grad_scaler!r}: must be a GradScaler or a "
+                "callable returning the loss scale"
+            )
+        if isinstance(skip_layers, str) or isinstance(layers, str):
+            raise TypeError("skip_layers and layers must be lists of str, not a str")
+
+        self._factor_update_steps = factor_update_steps
+        self._inv_update_steps = inv_update_steps
+        self._damping = damping
+        self._factor_decay = factor_decay
+        self._kl_clip = kl_clip
+        self._lr = lr
+        self.accumulation_steps = accumulation_steps
+        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.assignment_strategy = assignment_strategy
+        self.colocate_factors = colocate_factors
+        self.compute_method = compute_method
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.symmetry_aware = symmetry_aware
+        self.grad_scaler = grad_scaler
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.skip_layers = list(skip_layers or [])
+        self.update_factors_in_hook = update_factors_in_hook
+        self.loglevel = loglevel
+        self._steps = 0
+        self._loss_scale: float | None = None  # cached for the step (AMP)
+        self._warned_accumulation = False
+
+        self.communicator = Communicator(
+            bucket_cap_mb=allreduce_bucket_cap_mb, symmetry_aware=symmetry_aware
+        )
+        world = self.communicator.world_size
+        if isinstance(grad_worker_fraction, numbers.Real) and grad_worker_fraction == 0:
+            grad_worker_fraction = 1.0 / world
+        self.grad_worker_fraction = grad_worker_fraction
+        self.grid = WorkerGrid(world, _grad_workers(grad_worker_fraction, world))
+        if self.grid.grad_workers == world:
+            self.distributed_strategy = DistributedStrategy.COMM_OPT
+        elif self.grid.grad_workers == 1:
+            self.distributed_strategy = DistributedStrategy.MEM_OPT
+        else:
+            self.distributed_strategy = DistributedStrategy.HYBRID_OPT
+
+        self.layers = self._register(model, layers)
+        power = 3 if assignment_strategy is AssignmentStrategy.COMPUTE else 2
+        self.assignment: dict[str, LayerWork] = assign_layers(
+            {l.name: (l.a_dim**power, l.g_dim**power) for l in self.layers},
+            self.grid,
+            colocate_factors=colocate_factors,
+        )
+        logger.log(loglevel, "K-FAC grid %s, assignment %s", self.grid, self.assignment)
+        # Every rank creates every group, in the same order.
+        self._column_groups = [
+            self.communicator.new_group(self.grid.column_ranks(c))
+            for c in range(self.grid.columns)
+        ]
+        self._row_groups = [
+            self.communicator.new_group(self.grid.row_ranks(r))
+            for r in range(self.grid.grad_workers)
+        ]
+        self._ready: dict[str, bool] = {l.name: False for l in self.layers}
+        self._hooks = [
+            l.module.register_forward_hook(partial(self._forward_hook, l))
+            for l in self.layers
+        ]
+
+    # -- registration --
+    def _register(self, model: nn.Module, names: Sequence[str] | None):
+        modules = dict(model.named_modules())
+        if names is not None:
+            unknown = [n for n in names if n not in modules]
+            if unknown:
+                raise ValueError(f"Invalid layers: {unknown} are not modules of model")
+            for n in names:
+                reason = unsupported_reason(modules[n])
+                if reason is not None:
+                    raise ValueError(f"Invalid layers: cannot register {n!r}: {reason}")
+        skipped_prefixes: list[str] = []
+        registered = []
+        for name, module in modules.items():
+            if any(name.startswith(p) for p in skipped_prefixes):
+                continue
+            if self.skip_layers and _matches(self.skip_layers, name, module):
+                skipped_prefixes.append(name + "." if name else "")
+                logger.log(self.loglevel, "K-FAC skips %r (skip_layers)", name)
+                continue
+            if names is not None and name not in names:
+                continue
+            has_params = any(True for _ in module.parameters(recurse=False))
+            if not has_params:
+                continue
+            reason = unsupported_reason(module)
+            if reason is None:
+                registered.append(KFACLayer(name, module))
+                logger.log(self.loglevel, "K-FAC registers %r", registered[-1])
+            else:
+                logger.log(self.loglevel, "K-FAC skips %r: %s", name, reason)
+        if not registered:
+            logger.warning("K-FAC registered no layers of %s", type(model).__name__)
+        return registered
+
+    def remove_hooks(self) -> None:
+        """Detaches K-FAC from the model."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- hyperparameters (callables are evaluated at the current step) --
+    def _value(self, value):
+        return value(self._steps) if callable(value) else value
+
+    @property
+    def steps(self) -> int:
+        """Number of ``step()`` calls so far."""
+        return self._steps
+
+    @property
+    def factor_update_steps(self) -> int:
+        return int(self._value(self._factor_update_steps))
+
+    @property
+    def inv_update_steps(self) -> int:
+        return int(self._value(self._inv_update_steps))
+
+    @property
+    def damping(self) -> float:
+        return float(self._value(self._damping))
+
+    @property
+    def factor_decay(self) -> float:
+        return float(self._value(self._factor_decay))
+
+    @property
+    def kl_clip(self) -> float | None:
+        return None if self._kl_clip is None else float(self._value(self._kl_clip))
+
+    @property
+    def lr(self) -> float:
+        return float(self._value(self._lr))
+
+    def __repr__(self) -> str:
+        fields = {
+            "layers": len(self.layers),
+            "steps": self._steps,
+            "factor_update_steps": self._factor_update_steps,
+            "inv_update_steps": self._inv_update_steps,
+            "damping": self._damping,
+            "factor_decay": self._factor_decay,
+            "kl_clip": self._kl_clip,
+            "lr": self._lr,
+            "compute_method": self.compute_method.name,
+            "distributed_strategy": self.distributed_strategy.name,
+            "grid": f"{self.grid.grad_workers}x{self.grid.columns}",
+        }
+        return "KFAC(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+    # -- hooks --
+    def _collecting(self, module: nn.Module) -> bool:
+        return (
+            module.training
+            and torch.is_grad_enabled()
+            and self._steps % self.factor_update_steps == 0
+        )
+
+    def _dtype(self, layer: KFACLayer) -> torch.dtype:
+        if self.factor_dtype is not None:
+            return self.factor_dtype
+        return torch.promote_types(layer.module.weight.dtype, torch.float32)
+
+    def _forward_hook(self, layer: KFACLayer, module, inputs, output) -> None:
+        if not self._collecting(module):
+            return
+        x = inputs[0].detach()
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            layer.add_a(covariance(input_rows(module, x.to(self._dtype(layer)))))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._output_grad_hook, layer))
+
+    def _output_grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
+        if self._loss_scale is None:
+            scaler = self.grad_scaler
+            if scaler is None:
+                scale = 1.0
+            elif hasattr(scaler, "get_scale"):
+                scale = float(scaler.get_scale())
+            else:
+                scale = float(scaler())
+            self._loss_scale = scale
+        # g of the global loss: unscaled (AMP) and divided by the data-parallel size.
+        divisor = self._loss_scale * self.communicator.world_size
+        with torch.no_grad(), torch.autocast(grad.device.type, enabled=False):
+            rows = output_grad_rows(layer.module, grad.detach().to(self._dtype(layer)))
+            layer.add_g(covariance(rows / divisor if divisor != 1 else rows))
+
+    # -- step --
+    @torch.no_grad()
+    def step(self) -> None:
+        """Preconditions the gradients of the registered layers in place.
+
+        Call after the backward pass(es) (and, under AMP, ``scaler.unscale_``),
+        before ``optimizer.step()``. Gradients must already be averaged over ranks.
+        """
+        if self._steps % self.factor_update_steps == 0:
+            self._update_factors()
+        if self._steps % self.inv_update_steps == 0:
+            self._update_second_order()
+        self._precondition()
+        self._steps += 1
+        self._loss_scale = None
+
+    def _update_factors(self) -> None:
+        """All-reduce this step's contributions (mean over the contributing ranks)
+        and fold the finite ones into the running factors."""
+        tensors, counts = [], []
+        for layer in self.layers:
+            if layer.a_count and layer.a_count != self.accumulation_steps:
+                self._warn_accumulation(layer)
+            dtype, device = self._dtype(layer), layer.module.weight.device
+            for total, count, dim in (
+                (layer.a_sum, layer.a_count, layer.a_dim),
+                (layer.g_sum, layer.g_count, layer.g_dim),
+            ):
+                if count:
+                    tensors.append(total / count)
+                else:
+                    tensors.append(torch.zeros(dim, dim, dtype=dtype, device=device))
+                counts.append(1.0 if count else 0.0)
+            layer.clear_contributions()
+        if not tensors:
+            return
+        device = self.layers[0].module.weight.device
+        counts_tensor = torch.tensor(counts, dtype=torch.float64, device=device)
+        reduced = self.communicator.all_reduce_sum(
+            [*tensors, counts_tensor], [True] * len(tensors) + [False]
+        )
+        contributors = reduced[-1].tolist()
+        finite = torch.stack([t.sum() for t in reduced[:-1]]).isfinite().tolist()
+        alpha = self.factor_decay
+        for i, layer in enumerate(self.layers):
+            for j, attr in enumerate(("A", "G")):
+                k = 2 * i + j
+                if not contributors[k]:
+                    continue
+                if not finite[k]:
+                    logger.warning(
+                        "K-FAC dropped a non-finite %s contribution of %r at step %d",
+                        attr,
+                        layer.name,
+                        self._steps,
+                    )
+                    continue
+                batch = reduced[k] / contributors[k]
+                old = getattr(layer, attr)
+                if old is None:
+                    old = torch.eye(
+                        batch.shape[0], dtype=batch.dtype, device=batch.device
+                    )
+                setattr(layer, attr, alpha * old + (1 - alpha) * batch)
+
+    def _warn_accumulation(self, layer: KFACLayer) -> None:
+        if not self._warned_accumulation:
+            self._warned_accumulation = True
+            warnings.warn(
+                f"K-FAC layer {layer.name!r} saw {layer.a_count} forward passes in "
+                f"step {self._steps} but accumulation_steps={self.accumulation_steps}; "
+                "its factor contributions are averaged over the passes seen",
+                stacklevel=3,
+            )
+
+    # -- second-order data --
+    def _second_order_layout(self, layer: KFACLayer) -> list[tuple[str, str, tuple]]:
+        """(key, factor it comes from, shape) of each second-order tensor."""
+        a, g = layer.a_dim, layer.g_dim
+        if self.compute_method is ComputeMethod.INVERSE:
+            return [("a_inv", "A", (a, a)), ("g_inv", "G", (g, g))]
+        if self.compute_eigenvalue_outer_product:
+            return [("q_a", "A", (a, a)), ("q_g", "G", (g, g)), ("prediv", "A", (g, a))]
+        return [
+            ("q_a", "A", (a, a)),
+            ("d_a", "A", (a,)),
+            ("q_g", "G", (g, g)),
+            ("d_g", "G", (g,)),
+        ]
+
+    def _compute_second_order(self, layer: KFACLayer, work: LayerWork) -> None:
+        rank, damping, dtype = self.communicator.rank, self.damping, self.inv_dtype
+        out = layer.second_order
+        if self.compute_method is ComputeMethod.INVERSE:
+            if rank == work.a_worker:
+                out["a_inv"] = damped_inverse(layer.A, damping, dtype)
+            if rank == work.g_worker:
+                out["g_inv"] = damped_inverse(layer.G, damping, dtype)
+            return
+        if rank == work.a_worker:
+            d_a, out["q_a"] = eigen_decomposition(layer.A, dtype)
+        if rank == work.g_worker:
+            d_g, out["q_g"] = eigen_decomposition(layer.G, dtype)
+        if self.compute_eigenvalue_outer_product:
+            if rank == work.a_worker:  # == g_worker (colocated)
+                out["prediv"] = 1.0 / (torch.outer(d_g, d_a) + damping)
+        else:
+            if rank == work.a_worker:
+                out["d_a"] = d_a
+            if rank == work.g_worker:
+                out["d_g"] = d_g
+
+    def _update_second_order(self) -> None:
+        """Decompose on the inverse workers; broadcast down each layer's column."""
+        comm, grid = self.communicator, self.grid
+        my_column = grid.column_of(comm.rank)
+        for layer in self.layers:
+            has_factors = layer.A is not None and layer.G is not None
+            self._ready[layer.name] = has_factors
+            work = self.assignment[layer.name]
+            if has_factors and work.column == my_column:
+                self._compute_second_order(layer, work)
+        if grid.grad_workers == 1:
+            return
+        group = self._column_groups[my_column]
+        for src in grid.column_ranks(my_column):
+            keys, tensors = [], []
+            for layer in self.layers:
+                work = self.assignment[layer.name]
+                if not self._ready[layer.name] or work.column != my_column:
+                    continue
+                for key, factor, shape in self._second_order_layout(layer):
+                    worker = work.a_worker if factor == "A" else work.g_worker
+                    if worker != src:
+                        continue
+                    if comm.rank == src:
+                        tensors.append(layer.second_order[key])
+                    else:
+                        device = layer.module.weight.device
+                        tensors.append(
+                            torch.empty(shape, dtype=self.inv_dtype, device=device)
+                        )
+                    keys.append((layer, key))
+            received = comm.broadcast(
+                tensors,
+                [key.endswith("_inv") for _, key in keys],  # inverses are symmetric
+                src=src,
+                group=group,
+                kind="second_order",
+            )
+            for (layer, key), tensor in zip(keys, received, strict=True):
+                layer.second_order[key] = tensor
+
+    # -- preconditioning --
+    def _precondition_layer(self, layer: KFACLayer, grad: torch.Tensor) -> torch.Tensor:
+        s = layer.second_order
+        if self.compute_method is ComputeMethod.INVERSE:
+            return precondition_inverse(grad, s["a_inv"], s["g_inv"])
+        if self.compute_eigenvalue_outer_product:
+            return precondition_eigen(grad, s["q_a"], s["q_g"], prediv=s["prediv"])
+        return precondition_eigen(
+            grad, s["q_a"], s["q_g"], d_a=s["d_a"], d_g=s["d_g"], damping=self.damping
+        )
+
+    def _precondition(self) -> None:
+        comm, grid = self.communicator, self.grid
+        my_column, my_row = grid.column_of(comm.rank), grid.row_of(comm.rank)
+        active = [l for l in self.layers if self._ready[l.name] and l.has_grad()]
+        grads = {l.name: l.grad_matrix() for l in active}
+        result: dict[str, torch.Tensor] = {}
+        for layer in active:
+            if self.assignment[layer.name].column == my_column:
+                result[layer.name] = self._precondition_layer(layer, grads[layer.name])
+        if grid.columns > 1:
+            group = self._row_groups[my_row]
+            for column, src in enumerate(grid.row_ranks(my_row)):
+                mine = [l for l in active if self.assignment[l.name].column == column]
+                tensors = [
+                    result[l.name]
+                    if column == my_column
+                    else torch.empty(
+                        l.g_dim,
+                        l.a_dim,
+                        dtype=self.inv_dtype,
+                        device=l.module.weight.device,
+                    )
+                    for l in mine
+                ]
+                received = comm.broadcast(
+                    tensors,
+                    [False] * len(tensors),
+                    src=src,
+                    group=group,
+                    kind="gradients",
+                )
+                result.update({l.name: t for l, t in zip(mine, received, strict=True)})
+        kl_clip = self.kl_clip
+        preconditioned = [result[l.name] for l in active]
+        scale = (
+            1.0
+            if kl_clip is None
+            else kl_clip_scale(
+                preconditioned, [grads[l.name] for l in active], self.lr, kl_clip
+            )
+        )
+        for layer, update in zip(active, preconditioned, strict=True):
+            layer.set_grad(update * scale if scale != 1.0 else update)
+
+    # -- checkpoints --
+    _HYPERPARAMETERS = (
+        "factor_update_steps",
+        "inv_update_steps",
+        "damping",
+        "factor_decay",
+        "kl_clip",
+        "lr",
+    )
+
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """``steps``, the hyperparameters that are not callables, and (by default)
+        every layer's factors A and G by name (decompositions are not saved: they
+        are recomputed on load)."""
+        state: dict[str, Any] = {"steps": self._steps}
+        for name in self._HYPERPARAMETERS:
+            value = getattr(self, "_" + name)
+            if not callable(value):
+                state[name] = value
+        if include_factors:
+            state["layers"] = {
+                l.name: {
+                    "A": None if l.A is None else l.A.clone(),
+                    "G": None if l.G is None else l.G.clone(),
+                }
+                for l in self.layers
+            }
+        return state
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], compute_inverses: bool = True
+    ) -> None:
+        """Restores a :meth:`state_dict`; recomputes (and redistributes) the
+        decompositions from the loaded factors unless ``compute_inverses=False``.
+
+        Raises ``ValueError`` if the saved layers are not the registered ones.
+        """
+        layers = state_dict.get("layers")
+        if layers is not None:
+            saved, registered = set(layers), {l.name for l in self.layers}
+            if saved != registered:
+                raise ValueError(
+                    "K-FAC state_dict does not match the registered layers: "
+                    f"missing {sorted(registered - saved)}, "
+                    f"unexpected {sorted(saved - registered)}"
+                )
+        self._steps = int(state_dict["steps"])
+        for name in self._HYPERPARAMETERS:
+            if name in state_dict:
+                setattr(self, "_" + name, state_dict[name])
+        if layers is None:
+            if compute_inverses:
+                warnings.warn(
+                    "K-FAC state_dict has no factors: decompositions are not "
+                    "recomputed (they will be at the next inverse-update step)",
+                    stacklevel=2,
+                )
+            return
+        for layer in self.layers:
+            for attr in ("A", "G"):
+                saved_factor = layers[layer.name][attr]
+                if saved_factor is not None:
+                    saved_factor = saved_factor.to(
+                        dtype=self._dtype(layer), device=layer.module.weight.device
+                    )
+                setattr(layer, attr, saved_factor)
+            layer.clear_contributions()
+            layer.second_order.clear()
+        if compute_inverses:
+            self._update_second_order()
