@@ -85,3 +85,16 @@ def test_readme_torch_example_trains():
         final = torch.nn.functional.cross_entropy(model(x), y)
     # From log(10) = 2.30 (chance) to below 0.7 in the example's 100 steps.
     assert float(final) < 0.7, float(final)
+
+
+def test_readme_kfac_example_trains():
+    import torch
+
+    namespace: dict = {}
+    torch.manual_seed(0)
+    exec(_python_block("from precond.torch.kfac import KFAC"), namespace)
+    model, x, y = namespace["model"], namespace["x"], namespace["y"]
+    with torch.no_grad():
+        final = torch.nn.functional.cross_entropy(model(x), y)
+    # From log(10) = 2.30 (chance) to below 0.7 in the example's 50 steps.
+    assert float(final) < 0.7, float(final)

@@ -2,6 +2,7 @@
 
 ``Kron`` (PSGD Kron, a ``torch.optim.Optimizer``) with its update-probability
 schedule, and the strategies that spread its work over ``torch.distributed`` ranks.
+K-FAC (KAISA) lives in :mod:`precond.torch.kfac`.
 """
 
 from precond.torch.kron import Kron, precond_update_prob_schedule
