@@ -720,11 +720,14 @@ def _update(updates, state: ShampooState, params, config: _Config):
     w = (1.0 - beta1) if config.moving_average_for_momentum else 1.0
     running = step >= config.start_preconditioning_step
     outputs, momenta, diagonal_momenta, diagonals = [], [], [], []
+    old_momenta = leaves_of(state.momentum)
+    old_diagonal_momenta = leaves_of(state.diagonal_momentum)
+    old_diagonals = leaves_of(state.diagonal_statistics)
     with jax.named_scope("precond/shampoo/direction"):
         for i, g in enumerate(grads):
-            old_momentum = leaves_of(state.momentum)[i]
-            old_diagonal_momentum = leaves_of(state.diagonal_momentum)[i]
-            old_diagonal = leaves_of(state.diagonal_statistics)[i]
+            old_momentum = old_momenta[i]
+            old_diagonal_momentum = old_diagonal_momenta[i]
+            old_diagonal = old_diagonals[i]
             gf = g.astype(_state_float_dtype(g.dtype))
             graft, diagonal = _grafting_direction(gf, old_diagonal, config)
             plan = layout.plans[i]
