@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from precond._common.validation import check_int, check_real
 from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
@@ -460,10 +461,13 @@ class KFAC:
         before ``optimizer.step()``. Gradients must already be averaged over ranks.
         """
         if self._steps % self.factor_update_steps == 0:
-            self._update_factors()
+            with record_function("precond/kfac/update_factors"):
+                self._update_factors()
         if self._steps % self.inv_update_steps == 0:
-            self._update_second_order()
-        self._precondition()
+            with record_function("precond/kfac/update_second_order"):
+                self._update_second_order()
+        with record_function("precond/kfac/precondition"):
+            self._precondition()
         self._steps += 1
         self._loss_scale = None
 
