@@ -541,6 +541,14 @@ def test_invalid_arguments_are_refused(kwargs, message):
         KFAC(SmallCNN(), **kwargs)
 
 
+def test_sharded_parameters_are_refused():
+    model = SmallCNN()
+    model.fc.weight = nn.Parameter(model.fc.weight.detach())
+    model.fc.weight._local_tensor = model.fc.weight.detach()  # looks like a DTensor
+    with pytest.raises(NotImplementedError, match="does not support FSDP"):
+        KFAC(model)
+
+
 def test_strategies_in_one_process():
     for strategy in DistributedStrategy:
         pre = KFAC(SmallCNN(), grad_worker_fraction=strategy)

@@ -33,6 +33,8 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return f"{type(module).__name__} is not nn.Linear or nn.Conv2d"
     if not module.weight.requires_grad:
         return "its weight does not require a gradient"
+    if module.weight.is_complex():
+        return "its weight is complex"
     if isinstance(module, nn.Conv2d) and module.groups != 1:
         return (
             f"groups={module.groups}: a grouped convolution has one factor pair "

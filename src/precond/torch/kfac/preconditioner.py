@@ -327,6 +327,15 @@ class KFAC:
     # -- registration --
     def _register(self, model: nn.Module, names: Sequence[str] | None):
         modules = dict(model.named_modules())
+        for module in modules.values():
+            weight = getattr(module, "weight", None)
+            if type(module).__name__ == "FullyShardedDataParallel" or (
+                type(weight).__name__ == "DTensor" or hasattr(weight, "_local_tensor")
+            ):
+                raise NotImplementedError(
+                    "precond.torch.kfac.KFAC does not support FSDP (sharded "
+                    "parameters) yet: wrap the model in DistributedDataParallel"
+                )
         if names is not None:
             unknown = [n for n in names if n not in modules]
             if unknown:
