@@ -11,6 +11,7 @@ from precond.torch.kfac.preconditioner import (
     AssignmentStrategy,
     ComputeMethod,
     DistributedStrategy,
+    KFACPreconditioner,
 )
 from precond.torch.kfac.scheduler import KFACParamScheduler
 
@@ -20,6 +21,7 @@ __all__ = [
     "ComputeMethod",
     "DistributedStrategy",
     "KFACParamScheduler",
+    "KFACPreconditioner",
     "LayerWork",
     "WorkerGrid",
     "assign_layers",

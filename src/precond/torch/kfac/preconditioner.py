@@ -63,7 +63,13 @@ from precond.torch.kfac.second_order import (
     precondition_inverse,
 )
 
-__all__ = ["KFAC", "AssignmentStrategy", "ComputeMethod", "DistributedStrategy"]
+__all__ = [
+    "KFAC",
+    "AssignmentStrategy",
+    "ComputeMethod",
+    "DistributedStrategy",
+    "KFACPreconditioner",
+]
 
 logger = logging.getLogger("precond.torch.kfac")
 
@@ -742,3 +748,7 @@ class KFAC:
             layer.second_order.clear()
         if compute_inverses:
             self._update_second_order()
+
+
+# KAISA ≥ 0.4 names the class ``kfac.preconditioner.KFACPreconditioner``.
+KFACPreconditioner = KFAC
