@@ -459,7 +459,11 @@ def test_state_dict_round_trip_continues_bit_identically(options):
     fresh_pre = kfac(fresh, kl_clip=1e-2, **options)
     fresh_pre.load_state_dict(checkpoint["kfac"])
     assert fresh_pre.steps == 4
+    saved = copy.deepcopy(checkpoint["kfac"]["layers"])
     train(fresh, fresh_pre, batches[4:], checkpoint["opt"])
+    for name, factors in saved.items():  # loading copied the factors
+        for key, factor in factors.items():
+            assert torch.equal(checkpoint["kfac"]["layers"][name][key], factor)
     for p, q in zip(model.parameters(), fresh.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 

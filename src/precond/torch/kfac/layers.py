@@ -20,9 +20,9 @@ from torch import nn
 
 __all__ = [
     "KFACLayer",
-    "covariance",
-    "input_rows",
-    "output_grad_rows",
+    "input_covariance",
+    "output_grad_covariance",
+    "second_moment",
     "unsupported_reason",
 ]
 
@@ -47,8 +47,8 @@ def _has_bias(module: nn.Module) -> bool:
     return getattr(module, "bias", None) is not None
 
 
-def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The rows ā whose second moment is A: shape (rows, in_features [+ 1]).
+def input_covariance(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A_batch = E[ā āᵀ] over the rows ā of the layer input: (in [+1], in [+1]).
 
     Linear: every leading dim of ``x`` is a row. Conv2d: one row per output position
     per example, the patch the kernel sees (``F.unfold`` with the layer's kernel,
@@ -75,24 +75,32 @@ def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
     if _has_bias(module):
         rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-    return rows / positions if positions > 1 else rows
+    return second_moment(rows, 1.0 / positions**2)
 
 
-def output_grad_rows(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
-    """The rows g whose second moment is G: shape (rows, out_features).
+def output_grad_covariance(
+    module: nn.Module, g: torch.Tensor, divisor: float = 1.0
+) -> torch.Tensor:
+    """G_batch = E[g gᵀ] over the rows of ``g / divisor``: (out, out).
 
-    Conv2d: (N, C_out, oh, ow) → (N·oh·ow, C_out), divided by S = oh·ow.
+    Conv2d: (N, C_out, oh, ow) → rows (N·oh·ow, C_out), divided by S = oh·ow.
     """
     if isinstance(module, nn.Conv2d):
         positions = g.shape[2] * g.shape[3]
-        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]) / positions
-    return g.reshape(-1, g.shape[-1])
+        rows = g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+    else:
+        positions = 1
+        rows = g.reshape(-1, g.shape[-1])
+    return second_moment(rows, 1.0 / (positions * divisor) ** 2)
 
 
-def covariance(rows: torch.Tensor) -> torch.Tensor:
-    """``sym(rowsᵀ rows) / n_rows``: the second moment of the rows."""
-    cov = rows.T @ rows / rows.shape[0]
-    return (cov + cov.T) / 2
+def second_moment(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale · rowsᵀ rows / n_rows``, one matmul and one in-place scaling.
+
+    Not symmetrised: ``eigh`` reads one triangle, and the symmetry-aware all-reduce
+    sends one.
+    """
+    return (rows.T @ rows).mul_(scale / rows.shape[0])
 
 
 class KFACLayer:

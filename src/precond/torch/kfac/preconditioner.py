@@ -50,9 +50,8 @@ from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
 from precond.torch.kfac.communication import Communicator
 from precond.torch.kfac.layers import (
     KFACLayer,
-    covariance,
-    input_rows,
-    output_grad_rows,
+    input_covariance,
+    output_grad_covariance,
     unsupported_reason,
 )
 from precond.torch.kfac.second_order import (
@@ -447,7 +446,7 @@ class KFAC:
             return
         x = inputs[0].detach()
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            layer.add_a(covariance(input_rows(module, x.to(self._dtype(layer)))))
+            layer.add_a(input_covariance(module, x.to(self._dtype(layer))))
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._output_grad_hook, layer))
 
@@ -464,8 +463,8 @@ class KFAC:
         # g of the global loss: unscaled (AMP) and divided by the data-parallel size.
         divisor = self._loss_scale * self.communicator.world_size
         with torch.no_grad(), torch.autocast(grad.device.type, enabled=False):
-            rows = output_grad_rows(layer.module, grad.detach().to(self._dtype(layer)))
-            layer.add_g(covariance(rows / divisor if divisor != 1 else rows))
+            g = grad.detach().to(self._dtype(layer))
+            layer.add_g(output_grad_covariance(layer.module, g, divisor))
 
     # -- step --
     @torch.no_grad()
@@ -499,7 +498,7 @@ class KFAC:
                 (layer.g_sum, layer.g_count, layer.g_dim),
             ):
                 if count:
-                    tensors.append(total / count)
+                    tensors.append(total / count if count > 1 else total)
                 else:
                     tensors.append(torch.zeros(dim, dim, dtype=dtype, device=device))
                 counts.append(1.0 if count else 0.0)
@@ -527,13 +526,15 @@ class KFAC:
                         self._steps,
                     )
                     continue
-                batch = reduced[k] / contributors[k]
+                batch = reduced[k]
+                if contributors[k] > 1:
+                    batch = batch / contributors[k]
                 old = getattr(layer, attr)
                 if old is None:
-                    old = torch.eye(
-                        batch.shape[0], dtype=batch.dtype, device=batch.device
-                    )
-                setattr(layer, attr, alpha * old + (1 - alpha) * batch)
+                    eye = torch.eye(len(batch), dtype=batch.dtype, device=batch.device)
+                    setattr(layer, attr, alpha * eye + (1 - alpha) * batch)
+                else:
+                    old.lerp_(batch, 1 - alpha)  # α·F + (1 − α)·F_batch
 
     def _warn_accumulation(self, layer: KFACLayer) -> None:
         if not self._warned_accumulation:
@@ -740,8 +741,10 @@ class KFAC:
             for attr in ("A", "G"):
                 saved_factor = layers[layer.name][attr]
                 if saved_factor is not None:
-                    saved_factor = saved_factor.to(
-                        dtype=self._dtype(layer), device=layer.module.weight.device
+                    saved_factor = saved_factor.to(  # a copy: folds are in place
+                        dtype=self._dtype(layer),
+                        device=layer.module.weight.device,
+                        copy=True,
                     )
                 setattr(layer, attr, saved_factor)
             layer.clear_contributions()

@@ -39,7 +39,8 @@ def damped_inverse(
 ) -> torch.Tensor:
     """(F + λI)⁻¹ in ``dtype``, symmetrised."""
     f = factor.to(dtype)
-    inverse = torch.linalg.inv(f + damping * torch.eye(f.shape[0], dtype=dtype))
+    eye = torch.eye(f.shape[0], dtype=dtype, device=f.device)
+    inverse = torch.linalg.inv(f + damping * eye)
     return (inverse + inverse.T) / 2
 
 
