@@ -1,18 +1,34 @@
-"""Tests of ``precond bench``: its data split, its measurements and its CLI errors."""
+"""Tests of ``precond bench``: data, steps-to-reach, the suite's report and the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import re
 
 import numpy as np
 import pytest
 
-from precond.bench import cli
+from precond.bench import cli, suite
+from precond.bench.analysis import (
+    first_crossing,
+    select_learning_rates,
+    summarize,
+    value_at,
+)
+from precond.bench.data import BatchStream
 from precond.bench.optimizers import OPTIMIZERS
 from precond.bench.report import format_table, json_document
-from precond.bench.runner import RunResult
+from precond.bench.runner import (
+    RunConfig,
+    RunResult,
+    lr_multiplier,
+    training_loop,
+)
 from precond.bench.workloads import (
     CHAR_LM_CONTEXT,
+    WORKLOADS,
     batch_indices,
     char_lm_logits,
     char_lm_text,
@@ -21,9 +37,14 @@ from precond.bench.workloads import (
     load_digits_split,
 )
 
+HAS_KFAC = OPTIMIZERS["kfac"].available()
+
 
 def _rows(x: np.ndarray) -> set[bytes]:
     return {row.tobytes() for row in np.ascontiguousarray(x)}
+
+
+# --------------------------------------------------------------------------- data
 
 
 def test_digits_split_is_deterministic_and_disjoint():
@@ -46,6 +67,8 @@ def test_digits_split_is_deterministic_and_disjoint():
     assert np.all((np.abs(std - 1) < 1e-4) | (std < 1e-6))
     assert first.x_train.dtype == np.float32
     assert first.y_train.dtype == np.int32
+    # The MLP and the CNN train on the same split.
+    assert WORKLOADS["digits-mlp"].load_split is WORKLOADS["digits-cnn"].load_split
 
 
 def test_char_lm_split_is_deterministic_shifted_and_disjoint():
@@ -78,7 +101,24 @@ def test_char_lm_split_is_deterministic_shifted_and_disjoint():
     )
 
 
-def test_char_lm_starts_at_uniform_loss_is_causal_and_learns():
+def test_batch_indices_are_deterministic_epochs_and_match_the_stream():
+    batches = batch_indices(n_rows=10, batch_size=4, steps=5, seed=3)
+    np.testing.assert_array_equal(batches, batch_indices(10, 4, 5, seed=3))
+    assert not np.array_equal(batches, batch_indices(10, 4, 5, seed=4))
+    assert batches.shape == (5, 4)
+    assert batches.dtype == np.int32
+    flat = batches.ravel()
+    # Each epoch of 10 consecutive indices is a permutation of the 10 rows.
+    np.testing.assert_array_equal(np.sort(flat[:10]), np.arange(10))
+    np.testing.assert_array_equal(np.sort(flat[10:20]), np.arange(10))
+    with pytest.raises(ValueError, match="batch_size=11"):
+        batch_indices(10, 11, 1, seed=0)
+    # A time budget's open-ended stream draws the same batches.
+    stream = BatchStream(10, 4, seed=3)
+    np.testing.assert_array_equal(np.stack([stream.next() for _ in range(5)]), batches)
+
+
+def test_char_lm_transformer_starts_uniform_is_causal_and_learns():
     import jax
     import optax
 
@@ -98,9 +138,6 @@ def test_char_lm_starts_at_uniform_loss_is_causal_and_learns():
 
     metrics = jax.jit(workload.metrics)(params, x, y)
     assert abs(float(metrics["loss"]) - np.log(256)) < 0.05
-    assert float(metrics["bits_per_byte"]) == pytest.approx(
-        float(metrics["loss"]) / np.log(2), rel=1e-6
-    )
     assert 0.0 <= float(metrics["accuracy"]) <= 1.0
 
     optimizer = optax.adamw(1e-2)
@@ -120,148 +157,425 @@ def test_char_lm_starts_at_uniform_loss_is_causal_and_learns():
     assert losses[-1] < losses[0] - 1.0
 
 
-def test_batch_indices_are_deterministic_epochs():
-    batches = batch_indices(n_rows=10, batch_size=4, steps=5, seed=3)
-    np.testing.assert_array_equal(batches, batch_indices(10, 4, 5, seed=3))
-    assert not np.array_equal(batches, batch_indices(10, 4, 5, seed=4))
-    assert batches.shape == (5, 4)
-    assert batches.dtype == np.int32
-    flat = batches.ravel()
-    # Each epoch of 10 consecutive indices is a permutation of the 10 rows.
-    np.testing.assert_array_equal(np.sort(flat[:10]), np.arange(10))
-    np.testing.assert_array_equal(np.sort(flat[10:20]), np.arange(10))
-    with pytest.raises(ValueError, match="batch_size=11"):
-        batch_indices(10, 11, 1, seed=0)
+def test_torch_models_match_the_jax_architectures():
+    torch = pytest.importorskip("torch")
+    import jax
+
+    from precond.bench.torch_models import build_model
+
+    for name, workload in WORKLOADS.items():
+        shapes = jax.eval_shape(lambda w=workload: w.init_params(0))
+        jax_count = sum(p.size for p in jax.tree.leaves(shapes))
+        model = build_model(workload.torch_model, 0)
+        torch_count = sum(p.numel() for p in model.parameters())
+        # The torch head has no bias (the JAX head neither); equal parameter counts.
+        assert torch_count == jax_count, name
+        again = build_model(workload.torch_model, 0)
+        for p, q in zip(model.parameters(), again.parameters()):
+            assert torch.equal(p, q)
+    model = build_model("char-lm", 0)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (4, CHAR_LM_CONTEXT), generator=generator)
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 256
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :-1], b[:, :-1])
+    # The initial loss is close to uniform over the 256 bytes.
+    loss = torch.nn.functional.cross_entropy(a.reshape(-1, 256), tokens.reshape(-1))
+    assert abs(loss.item() - math.log(256)) < 0.1
 
 
-def test_tiny_run_writes_consistent_json(tmp_path, capsys):
-    path = tmp_path / "results.json"
+# ------------------------------------------------------------ steps to reach, loop
+
+
+def test_first_crossing_on_synthetic_curves():
+    steps = [0, 10, 20, 30]
+    # Crosses between evaluations: linear interpolation of the step.
+    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.5], 1.5) == pytest.approx(15.0)
+    # Exactly on an evaluation.
+    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.5], 1.0) == pytest.approx(20.0)
+    # The first crossing counts, even if the curve rises again (overfitting).
+    assert first_crossing(steps, [3.0, 0.5, 2.0, 2.5], 2.5) == pytest.approx(2.0)
+    # Never reached, or reached at the start.
+    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.9], 0.5) is None
+    assert first_crossing(steps, [0.4, 2.0, 1.0, 0.9], 0.5) == 0.0
+    # A non-finite point breaks the curve: no interpolation across it.
+    assert first_crossing(steps, [3.0, math.nan, 1.0, 0.5], 1.5) == 20.0
+    assert first_crossing(steps, [3.0, math.inf, math.inf, 5.0], 1.5) is None
+    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.5], math.nan) is None
+    # Wall-time axis: the same rule on seconds.
+    assert first_crossing([0.0, 0.5, 1.5], [2.0, 1.0, 0.0], 0.5) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="3 x values but 2 losses"):
+        first_crossing([0, 1, 2], [1.0, 0.5], 0.7)
+
+    assert value_at(steps, [3.0, 2.0, 1.0, 0.5], 25) == pytest.approx(0.75)
+    assert value_at(steps, [3.0, 2.0, 1.0, 0.5], 0) == 3.0
+    assert value_at(steps, [3.0, 2.0, 1.0, 0.5], 31) is None
+
+
+def _run(optimizer, lr, seed, losses, times=None, **fields) -> RunResult:
+    steps = [10 * i for i in range(len(losses))]
+    times = times or [0.01 * s for s in steps]
+    history = [
+        {"step": s, "time_s": t, "train_loss": v, "val_loss": v, "val_accuracy": 0.5}
+        for s, t, v in zip(steps, times, losses)
+    ]
+    values = {
+        "framework": "jax",
+        "workload": "w",
+        "optimizer": optimizer,
+        "learning_rate": lr,
+        "schedule": "cosine",
+        "weight_decay": 0.0,
+        "seed": seed,
+        "batch_size": 1,
+        "budget": f"{steps[-1]} steps",
+        "devices": 1,
+        "steps": steps[-1],
+        "final_train_loss": losses[-1],
+        "final_val_loss": losses[-1],
+        "final_val_accuracy": 0.5,
+        "diverged": not math.isfinite(losses[-1]),
+        "median_step_ms": 10.0,
+        "compile_s": 1.0,
+        "train_s": times[-1],
+        "param_bytes": 100,
+        "state_bytes": 200,
+        "history": history,
+    }
+    return RunResult(**(values | fields))
+
+
+def test_summary_selects_rates_and_compares_with_adamw():
+    runs = [
+        # AdamW: lr 1e-3 ends at 1.0 (mean of seeds 0.9 and 1.1), lr 3e-3 at 2.0.
+        _run("adamw", 1e-3, 0, [3.0, 2.0, 1.5, 0.9]),
+        _run("adamw", 1e-3, 1, [3.0, 2.0, 1.5, 1.1]),
+        _run("adamw", 3e-3, 0, [3.0, 2.5, 2.2, 2.0]),
+        _run("adamw", 3e-3, 1, [3.0, 2.5, 2.2, 2.0]),
+        # Kron: lr 1e-2 diverged (NaN), lr 3e-3 reaches 1.0 at steps 15 and 10,
+        # at 2× AdamW's step time (twice the seconds per step).
+        _run("kron", 1e-2, 0, [3.0, math.nan]),
+        _run("kron", 1e-2, 1, [3.0, 2.0, 1.0, 0.1]),
+        _run(
+            "kron",
+            3e-3,
+            0,
+            [3.0, 1.5, 0.5, 0.4],
+            [0, 0.2, 0.4, 0.6],
+            median_step_ms=20.0,
+            state_bytes=400,
+        ),
+        _run(
+            "kron",
+            3e-3,
+            1,
+            [3.0, 1.0, 0.5, 0.3],
+            [0, 0.2, 0.4, 0.6],
+            median_step_ms=20.0,
+            state_bytes=400,
+        ),
+        # SGD never reaches AdamW's loss.
+        _run("sgd", 0.1, 0, [3.0, 2.0, 1.8, 1.5]),
+    ]
+    chosen = select_learning_rates(runs)
+    assert chosen[("jax", "w", "adamw")] == 1e-3
+    assert chosen[("jax", "w", "kron")] == 3e-3  # a NaN loss counts as +inf
+    rows = {r.optimizer: r for r in summarize(runs, baseline="adamw")}
+    adamw, kron, sgd = rows["adamw"], rows["kron"], rows["sgd"]
+    assert adamw.val_loss == pytest.approx(1.0)
+    assert adamw.target == pytest.approx(1.0)
+    assert adamw.val_loss_std == pytest.approx(np.std([0.9, 1.1], ddof=1))
+    # Seed 0 crosses 1.0 at step 15 (1.5 → 0.5 over 10..20), seed 1 at step 10.
+    assert kron.steps_to_target == pytest.approx(12.5)
+    assert kron.steps_ratio == pytest.approx(12.5 / 30)
+    # On the time axis: 0.3 s and 0.2 s, against AdamW's 0.3 s of training.
+    assert kron.time_to_target == pytest.approx(0.25)
+    assert kron.time_ratio == pytest.approx(0.25 / 0.3)
+    assert kron.step_ratio == pytest.approx(2.0)
+    assert kron.state_ratio == pytest.approx(2.0)
+    assert kron.val_loss_at_baseline_steps == pytest.approx(0.35)
+    # At AdamW's 0.3 s, Kron (seed 0: 1.0, seed 1: 0.75) is at 0.875.
+    assert kron.val_loss_at_baseline_time == pytest.approx(0.875)
+    assert kron.swept[1e-2] != kron.swept[1e-2]  # NaN: the mean over a diverged run
+    assert sgd.steps_to_target is None
+    assert sgd.steps_ratio is None
+    table = format_table(list(rows.values()), baseline="adamw").splitlines()
+    assert table[0].split()[:3] == ["framework", "workload", "optimizer"]
+    assert "not reached" in next(line for line in table if " sgd " in line)
+    assert "12 (0.42)" in next(line for line in table if " kron " in line)
+    document = json_document(runs, list(rows.values()), config={}, environment={})
+    text = json.dumps(document, allow_nan=False)  # would raise on NaN
+    assert json.loads(text)["runs"][4]["final_val_loss"] is None
+
+
+def test_lr_multiplier_warms_up_then_decays_to_zero():
+    assert lr_multiplier(0.0, "cosine") == 0.0
+    assert lr_multiplier(0.025, "cosine") == pytest.approx(0.5)
+    assert lr_multiplier(0.05, "cosine") == pytest.approx(1.0)
+    assert lr_multiplier(0.525, "cosine") == pytest.approx(0.5)
+    assert lr_multiplier(1.0, "cosine") == pytest.approx(0.0, abs=1e-12)
+    assert lr_multiplier(2.0, "cosine") == pytest.approx(0.0, abs=1e-12)
+    assert lr_multiplier(0.7, "constant") == 1.0
+
+
+def test_training_loop_budgets_evaluations_and_divergence():
+    evaluations = []
+
+    def evaluate():
+        evaluations.append(len(scales))
+        return 1.0 / (1 + len(scales)), 0.5
+
+    scales: list[float] = []
+
+    def step(idx, scale):
+        assert idx.shape == (4,)
+        scales.append(scale)
+        return 2.0
+
+    config = RunConfig(steps=25, batch_size=4, eval_every=10, warmup_steps=0)
+    loop = training_loop(step, evaluate, config, n_train=10)
+    assert [h["step"] for h in loop.history] == [0, 10, 20, 25]
+    assert evaluations == [0, 10, 20, 25]
+    assert len(loop.minibatch_loss) == len(loop.step_seconds) == 25
+    assert math.isnan(loop.history[0]["train_loss"])
+    assert loop.history[-1]["train_loss"] == 2.0
+    assert loop.history[-1]["val_loss"] == pytest.approx(1 / 26)
+    # Step k runs at the schedule's value at (k − ½)/25 of the budget.
+    assert scales[0] == pytest.approx(lr_multiplier(0.5 / 25, "cosine"))
+    assert scales[-1] == pytest.approx(lr_multiplier(24.5 / 25, "cosine"))
+    assert not loop.diverged
+
+    # A time budget stops after the step that uses it up.
+    scales.clear()
+    timed = RunConfig(steps=None, time_budget_s=0.05, batch_size=4, eval_every=1000)
+
+    def slow_step(idx, scale):
+        import time
+
+        time.sleep(0.01)
+        scales.append(scale)
+        return 1.0
+
+    loop = training_loop(slow_step, evaluate, timed, n_train=10)
+    assert 2 <= len(scales) <= 6
+    assert loop.train_s >= 0.05
+    assert [h["step"] for h in loop.history] == [0, len(scales)]
+    # The first step of a time budget starts the warm-up at rate 0.
+    assert scales[0] == 0.0
+
+    # A non-finite loss stops the run at that step.
+    losses = iter([1.0, 0.5, math.nan, 0.1])
+    loop = training_loop(lambda idx, scale: next(losses), evaluate, config, n_train=10)
+    assert loop.diverged
+    assert len(loop.minibatch_loss) == 3
+    assert loop.history[-1]["step"] == 3
+
+
+# ------------------------------------------------------------------- full suites
+
+
+def _suite(tmp_path, capsys, workload: str, framework: str):
+    folder = tmp_path / workload
     status = cli.main(
         [
             "bench",
-            "--steps",
-            "5",
-            "--batch-size",
-            "32",
-            "--no-progress",
+            "--frameworks",
+            framework,
             "--workloads",
-            "digits-mlp",
-            "--lr",
-            "kron=5e-4",
-            "--json",
-            str(path),
+            workload,
+            "--steps",
+            "3",
+            "--optimizers",
+            ",".join(
+                n
+                for n in ("kron", "shampoo", "adamw", "sgd", "kfac")
+                if framework in OPTIMIZERS[n].frameworks() and (n != "kfac" or HAS_KFAC)
+            ),
+            "--batch-size",
+            "16",
+            "--output",
+            str(folder),
         ]
     )
-    out = capsys.readouterr().out
-    assert status == 0
-    document = json.loads(path.read_text())
-    runs = {run["optimizer"]: run for run in document["runs"]}
-    assert set(runs) == set(OPTIMIZERS) == {"kron", "adamw", "shampoo"}
-    assert runs["kron"]["learning_rate"] == 5e-4
-    assert runs["adamw"]["learning_rate"] == OPTIMIZERS["adamw"].default_lr
-    assert document["config"]["steps"] == 5
-
-    workload = get_workload("digits-mlp")
-    params = workload.init_params(0)
-    param_bytes = sum(np.asarray(p).nbytes for layer in params for p in layer.values())
-    for run in runs.values():
-        assert run["param_bytes"] == param_bytes
-        assert len(run["minibatch_loss"]) == 5
-        # The final loss is the last logged one, taken after the last step.
-        assert run["history"][-1]["step"] == 5
-        assert run["final_train_loss"] == run["history"][-1]["train_loss"]
-        assert run["test_accuracy"] == run["history"][-1]["test_accuracy"]
-        assert 0.0 <= run["test_accuracy"] <= 1.0
-        assert run["median_step_ms"] > 0
-        assert run["compile_s"] > 0
-    # AdamW keeps two moments like the parameters, plus two int32 step counts:
-    # Adam's (bias correction) and the learning-rate schedule's.
-    assert runs["adamw"]["state_bytes"] == 2 * param_bytes + 2 * 4
-    # Kron keeps momentum plus preconditioner factors: more than the momentum;
-    # Shampoo keeps two momenta, the grafting accumulator and its statistics and
-    # roots: more than AdamW.
-    assert runs["kron"]["state_bytes"] > param_bytes
-    assert runs["shampoo"]["state_bytes"] > runs["adamw"]["state_bytes"]
-
-    # The table shows both runs and the state ratio of AdamW to itself.
-    lines = out.splitlines()
-    adamw_row = next(line for line in lines if " adamw " in line)
-    assert adamw_row.split()[-1] == "1.00"
-    assert any(" kron " in line for line in lines)
+    captured = capsys.readouterr()
+    document = json.loads((folder / "results.json").read_text())
+    markdown = (folder / "report.md").read_text()
+    assert status == 0, captured.err
+    return document, markdown, captured.out, folder
 
 
-def test_shampoo_weight_decay_is_decoupled():
+@pytest.fixture
+def quick_compiles():
+    """Compile with XLA's optimizations off: a few steps do not repay them."""
     import jax
-    import jax.numpy as jnp
 
-    # With zero gradients Shampoo's direction is 0, so the update is the decay
-    # alone, −lr·λ·θ, not passed through the momentum (which would give
-    # −lr·(1 + β1)·λ·θ with Nesterov, as distributed_shampoo's own weight_decay).
-    params = {"w": jnp.arange(12.0).reshape(3, 4) / 10, "b": jnp.ones(4)}
-    optimizer = OPTIMIZERS["shampoo"].make(0.1, 0.01)
-    state = optimizer.init(params)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    for _ in range(2):
-        updates, state = optimizer.update(zeros, state, params)
-        for name in params:
-            np.testing.assert_allclose(
-                updates[name], -0.1 * 0.01 * params[name], rtol=1e-6
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", False)
+
+
+TINY_TEST_ROWS = 48
+
+
+@pytest.fixture
+def small_test_splits(monkeypatch):
+    """Every workload scored on its first TINY_TEST_ROWS test rows: unoptimised
+    programs make scoring the full splits the slowest part of a tiny suite, and
+    what the suite checks (the report agrees with the runs) does not depend on it."""
+    for name, workload in list(WORKLOADS.items()):
+
+        def load_split(seed, load=workload.load_split):
+            split = load(seed)
+            return dataclasses.replace(
+                split,
+                x_test=split.x_test[:TINY_TEST_ROWS],
+                y_test=split.y_test[:TINY_TEST_ROWS],
             )
 
+        monkeypatch.setitem(
+            WORKLOADS, name, dataclasses.replace(workload, load_split=load_split)
+        )
 
-def test_progress_bar_goes_to_stderr(capsys):
-    argv = ["bench", "--steps", "3", "--batch-size", "16", "--optimizers", "adamw"]
-    argv += ["--workloads", "digits-mlp"]
+
+@pytest.mark.usefixtures("quick_compiles", "small_test_splits")
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
+    workload, framework, tmp_path, capsys
+):
+    if not cli._installed(framework):
+        pytest.skip(f"{framework} is not installed")
+    document, markdown, out, folder = _suite(tmp_path, capsys, workload, framework)
+    frameworks = (framework,)
+    expected = {
+        (f, name)
+        for f in frameworks
+        for name in ("kron", "shampoo", "adamw", "sgd", "kfac")
+        if f in OPTIMIZERS[name].frameworks() and (name != "kfac" or HAS_KFAC)
+    }
+    runs = {(r["framework"], r["optimizer"]): r for r in document["runs"]}
+    assert set(runs) == expected
+    summary = {(s["framework"], s["optimizer"]): s for s in document["summary"]}
+    assert set(summary) == expected
+
+    import jax
+
+    shapes = jax.eval_shape(lambda: WORKLOADS[workload].init_params(0))
+    jax_params = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(shapes))
+    for key, run in runs.items():
+        assert run["steps"] == 3
+        assert len(run["minibatch_loss"]) == len(run["step_ms"]) == 3
+        # Evaluated before the first step and after the last.
+        assert [h["step"] for h in run["history"]] == [0, 3]
+        final = run["history"][-1]
+        assert run["final_val_loss"] == final["val_loss"]
+        assert run["final_val_accuracy"] == final["val_accuracy"]
+        assert run["final_train_loss"] == pytest.approx(np.mean(run["minibatch_loss"]))
+        assert run["train_s"] == pytest.approx(sum(run["step_ms"]) / 1e3, rel=1e-6)
+        assert run["learning_rate"] == OPTIMIZERS[key[1]].learning_rate(workload)
+        assert run["param_bytes"] == jax_params
+        assert run["state_bytes"] > 0
+        assert (run["compile_s"] is None) == (key[0] == "torch")
+        # The summary of one seed repeats the run; the table prints it.
+        row = summary[key]
+        assert row["val_loss"] == run["final_val_loss"]
+        assert row["steps"] == 3
+        line = next(
+            line
+            for line in out.splitlines()
+            if line.split()[:3] == [*key[:1], workload, key[1]]
+        )
+        assert line.split()[4] == f"{run['final_val_loss']:.4g}"
+        assert f"| {key[0]} | {workload} | {key[1]} | " in markdown
+    # AdamW keeps two moments like the parameters, plus one 4-byte step count
+    # (JAX) or one per parameter tensor (torch); SGD one momentum.
+    counts = 1 if framework == "jax" else len(jax.tree.leaves(shapes))
+    adamw = runs[framework, "adamw"]
+    assert adamw["state_bytes"] == 2 * jax_params + 4 * counts
+    assert runs[framework, "sgd"]["state_bytes"] == jax_params
+    assert summary[framework, "adamw"]["target"] == adamw["final_val_loss"]
+    for framework in frameworks:
+        assert (folder / f"{workload}-{framework}.png").stat().st_size > 1000
+        assert f"({workload}-{framework}.png)" in markdown
+    assert "report written to" in out
+
+
+def test_sweep_and_seeds_select_the_best_mean(tmp_path, capsys):
+    folder = tmp_path / "sweep"
+    argv = ["bench", "--frameworks", "jax", "--workloads", "digits-mlp"]
+    argv += ["--optimizers", "adamw", "--steps", "4", "--batch-size", "32"]
+    argv += ["--lr-sweep", "0.1,10", "--seeds", "2", "--seed", "5"]
+    argv += ["--output", str(folder), "--json", str(tmp_path / "copy.json")]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
-    assert "digits-mlp adamw" in captured.err
-    assert "3/3" in captured.err
-    assert "3/3" not in captured.out
-    assert " adamw " in captured.out
+    # One progress bar per run, on stderr only.
+    assert "jax digits-mlp adamw lr 0.0003 seed 5" in captured.err
+    assert "4/4" in captured.err
+    assert "4/4" not in captured.out
+    document = json.loads((folder / "results.json").read_text())
+    assert document == json.loads((tmp_path / "copy.json").read_text())
+    runs = document["runs"]
+    pairs = sorted((r["learning_rate"], r["seed"]) for r in runs)
+    assert [seed for _, seed in pairs] == [5, 6, 5, 6]
+    np.testing.assert_allclose([lr for lr, _ in pairs], [3e-4, 3e-4, 3e-2, 3e-2])
+    means = {
+        lr: np.mean([r["final_val_loss"] for r in runs if r["learning_rate"] == lr])
+        for lr in {r["learning_rate"] for r in runs}
+    }
+    (row,) = document["summary"]
+    assert row["learning_rate"] == min(means, key=means.get)
+    assert row["val_loss"] == pytest.approx(means[row["learning_rate"]])
+    assert row["seeds"] == [5, 6]
+    markdown = (folder / "report.md").read_text()
+    assert "## Learning-rate sweep" in markdown
+    assert f"**{row['learning_rate']:g}: " in markdown
 
 
-def _result(optimizer: str, loss: float, state_bytes: int, step_ms: float):
-    return RunResult(
-        workload="w",
-        optimizer=optimizer,
-        learning_rate=1e-3,
-        schedule="constant",
-        weight_decay=0.0,
-        steps=1,
-        batch_size=1,
-        seed=0,
-        final_train_loss=loss,
-        test_loss=loss,
-        test_accuracy=0.5,
-        median_step_ms=step_ms,
-        compile_s=1.0,
-        train_s=1.0,
-        param_bytes=100,
-        state_bytes=state_bytes,
-        history=[{"step": 1, "train_loss": loss}],
-    )
+def test_interrupt_keeps_finished_runs(tmp_path, capsys, monkeypatch):
+    real = suite.run_job
+    calls = []
+
+    def interrupt_second(job, *args, **kwargs):
+        calls.append(job)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(job, *args, **kwargs)
+
+    monkeypatch.setattr(suite, "run_job", interrupt_second)
+    folder = tmp_path / "interrupted"
+    argv = ["bench", "--frameworks", "jax", "--workloads", "digits-mlp"]
+    argv += ["--optimizers", "adamw,sgd", "--steps", "2", "--no-progress"]
+    argv += ["--output", str(folder)]
+    assert cli.main(argv) == cli.INTERRUPTED
+    captured = capsys.readouterr()
+    assert "interrupted after 1 of 2 runs" in captured.err
+    document = json.loads((folder / "results.json").read_text())
+    assert document["interrupted"] is True
+    assert [r["optimizer"] for r in document["runs"]] == ["adamw"]
+    assert "**Interrupted**" in (folder / "report.md").read_text()
 
 
-def test_table_ratios_and_json_without_nan():
-    kron_run = _result("kron", float("nan"), state_bytes=300, step_ms=4.0)
-    adamw_run = _result("adamw", 0.25, state_bytes=200, step_ms=2.0)
-    table = format_table([kron_run, adamw_run], baseline="adamw").splitlines()
-    assert table[0].split()[:2] == ["workload", "optimizer"]
-    kron_cells = table[2].split()
-    assert kron_cells[3] == "nan"
-    assert kron_cells[-1] == "1.50"  # state bytes 300 / 200
-    assert kron_cells[7] == "2.00"  # step time 4 ms / 2 ms
-    # Without the baseline in the results, ratios are "-".
-    alone = format_table([kron_run], baseline="adamw").splitlines()[2].split()
-    assert alone[-1] == "-"
-    assert alone[7] == "-"
+def test_devices_shard_the_jax_batch(tmp_path, capsys):
+    import jax
 
-    document = json_document([kron_run], config={}, environment={})
-    text = json.dumps(document, allow_nan=False)  # would raise on NaN
-    assert json.loads(text)["runs"][0]["final_train_loss"] is None
+    assert jax.device_count() >= 8  # tests/conftest.py
+    argv = ["bench", "--frameworks", "jax", "--workloads", "digits-mlp"]
+    argv += ["--optimizers", "adamw,sgd", "--steps", "2", "--batch-size", "16"]
+    argv += ["--devices", "8", "--no-progress", "--no-plots"]
+    argv += ["--output", str(tmp_path / "sharded")]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    document = json.loads((tmp_path / "sharded" / "results.json").read_text())
+    assert [r["devices"] for r in document["runs"]] == [8, 8]
+    assert all(math.isfinite(r["final_val_loss"]) for r in document["runs"])
 
 
-def test_list_names_every_optimizer(capsys):
+# -------------------------------------------------------------------------- CLI
+
+
+def test_list_names_every_workload_and_optimizer(capsys):
     assert cli.main(["bench", "--list"]) == 0
     out = capsys.readouterr().out
     for name, spec in OPTIMIZERS.items():
@@ -269,54 +583,69 @@ def test_list_names_every_optimizer(capsys):
             line.split()[:3] == [name, "lr", f"{spec.default_lr:g}"]
             for line in out.splitlines()
         )
-    assert "digits-mlp" in out
-    assert "char-lm" in out
+    for name, workload in WORKLOADS.items():
+        assert any(
+            line.split()[:3] == [name, str(workload.steps), "steps,"]
+            for line in out.splitlines()
+        )
 
 
 def test_help_documents_every_flag(capsys):
     assert cli.main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in (
-        "--steps",
-        "--batch-size",
-        "--seed",
-        "--optimizers",
-        "--workloads",
-        "--lr",
-        "--weight-decay",
-        "--schedule",
-        "--json",
-        "--no-progress",
-        "--list",
-    ):
-        assert flag in out
+    flags = {
+        option
+        for action in cli.build_parser()
+        ._subparsers._group_actions[0]
+        .choices["bench"]
+        ._actions
+        for option in action.option_strings
+    }
+    assert len(flags) > 15
+    for flag in flags:
+        assert re.search(rf"{flag}\b", out), flag
 
 
 @pytest.mark.parametrize(
     ("argv", "phrase"),
     [
-        (["--optimizers", "kron,sgd"], "unknown optimizer 'sgd'"),
+        (["--optimizers", "kron,lion"], "unknown optimizer 'lion'"),
         (["--optimizers", "kron,kron"], "more than once"),
+        (["--workloads", "imagenet"], "unknown workload 'imagenet'"),
+        (["--frameworks", "tensorflow"], "unknown framework 'tensorflow'"),
         (["--steps", "0"], "--steps: 0 must be an integer >= 1"),
         (["--steps", "-3"], "--steps: -3 must be an integer >= 1"),
         (["--steps", "ten"], "'ten' is not an integer"),
+        (["--time-budget", "0"], "--time-budget: 0 must be a number > 0"),
+        (["--time-budget", "nan"], "--time-budget: nan must be a number > 0"),
+        (["--time-budget", "soon"], "'soon' is not a number"),
+        (["--steps", "5", "--time-budget", "9"], "not allowed with argument"),
         (["--batch-size", "0"], "--batch-size: 0 must be an integer >= 1"),
         (["--seed", "-1"], "--seed: -1 must be an integer >= 0"),
+        (["--seeds", "0"], "--seeds: 0 must be an integer >= 1"),
+        (["--lr-sweep", "0.3,0"], "multiplier 0 must be > 0"),
+        (["--lr-sweep", "1,1"], "more than once"),
         (["--lr", "kron"], "not of the form NAME=VALUE"),
-        (["--lr", "sgd=1e-3"], "unknown optimizer 'sgd'"),
+        (["--lr", "lion=1e-3"], "unknown optimizer 'lion'"),
         (["--lr", "kron=0"], "must be a finite number > 0"),
         (["--lr", "kron=nan"], "must be a finite number > 0"),
-        (["--lr", "adamw=1e-3", "--optimizers", "kron"], "not in --optimizers"),
+        (["--lr", "adamw=1e-3", "--optimizers", "kron"], "not among the optimizers"),
         (["--lr", "kron=1e-3", "--lr", "kron=2e-3"], "more than once"),
         (["--weight-decay", "-1"], "--weight-decay"),
         (["--schedule", "linear"], "invalid choice: 'linear'"),
-        (["--workloads", "imagenet"], "unknown workload 'imagenet'"),
+        (["--optimizers", "shampoo", "--frameworks", "torch"], "exists in jax only"),
+        (["--devices", "2", "--frameworks", "torch"], "applies to jax"),
+        (["--devices", "3", "--frameworks", "jax"], "not divisible by --devices 3"),
+        (["--devices", "16", "--batch-size", "16"], "jax sees 8 device(s)"),
         (["--json", "/nonexistent/folder/out.json"], "does not exist"),
+        (["--output", "/nonexistent/folder/out"], "does not exist"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--batch-size", "100000"], "exceeds the 1438 training rows"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, phrase, capsys):
+    if "torch" in argv and not cli._installed("torch"):
+        pytest.skip("torch is not installed")
     assert cli.main(["bench", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -326,17 +655,39 @@ def test_bad_input_is_one_line_and_exit_2(argv, phrase, capsys):
     assert phrase in lines[0]
 
 
-def test_missing_jax_says_how_to_install(monkeypatch, capsys):
+def _hide(monkeypatch, hidden: str) -> None:
     real_find_spec = cli.importlib.util.find_spec
 
     def find_spec(name, *args):
-        return None if name == "jax" else real_find_spec(name, *args)
+        return None if name == hidden else real_find_spec(name, *args)
 
     monkeypatch.setattr(cli.importlib.util, "find_spec", find_spec)
-    assert cli.main(["bench", "--steps", "1"]) == 2
+
+
+def test_missing_framework_is_one_line(monkeypatch, capsys, tmp_path):
+    _hide(monkeypatch, "jax")
+    assert cli.main(["bench", "--frameworks", "jax", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
+    assert "jax is not installed" in err
     assert "pip install 'precond[jax]'" in err
+
+    monkeypatch.undo()
+    _hide(monkeypatch, "torch")
+    assert cli.main(["bench", "--frameworks", "torch"]) == 2
+    assert "pip install 'precond[torch]'" in capsys.readouterr().err
+    # By default a missing torch is skipped with one line, and JAX runs.
+    argv = ["bench", "--workloads", "digits-mlp", "--optimizers", "adamw"]
+    argv += ["--steps", "1", "--no-progress", "--no-plots"]
+    argv += ["--output", str(tmp_path / "no-torch")]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if "torch" in line]
+    assert notes == [
+        "precond bench: torch is not installed: skipping the torch workloads "
+        "(pip install 'precond[torch]' to run them)"
+    ]
+    assert " jax " in captured.out.replace("\n", " ")
 
 
 def test_no_command_prints_help_and_exits_2(capsys):
@@ -344,14 +695,14 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert "bench" in capsys.readouterr().err
 
 
-def test_cli_import_does_not_import_jax():
+def test_cli_import_does_not_import_frameworks():
     import subprocess
     import sys
 
     code = (
         "import sys, precond.bench.cli; "
-        "print(any(m == 'jax' or m.startswith(('jax.', 'sklearn', 'optax')) "
-        "for m in sys.modules))"
+        "print(any(m.split('.')[0] in ('jax', 'torch', 'sklearn', 'optax', "
+        "'matplotlib', 'tqdm') for m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

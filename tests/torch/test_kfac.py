@@ -339,6 +339,9 @@ def test_autocast_with_grad_scaler_trains_with_float32_factors():
         pre.step()
         scaler.step(opt)
         scaler.update()
+    held = [pre.layers[0].A, pre.layers[0].G, *pre.layers[0].second_order.values()]
+    held += [pre.layers[1].A, pre.layers[1].G, *pre.layers[1].second_order.values()]
+    assert pre.memory_bytes() == sum(t.numel() * 4 for t in held)
     for layer in pre.layers:
         assert layer.A.dtype == layer.G.dtype == torch.float32
         assert torch.isfinite(layer.A).all()

@@ -1,47 +1,57 @@
 """The ``precond`` command: ``precond bench`` trains workloads with each optimizer.
 
-Argument errors print one line on stderr and exit with status 2. JAX, optax,
-scikit-learn and tqdm are imported only when a benchmark actually runs, so
-``precond --help`` and ``precond bench --list`` are fast.
+Argument errors print one line on stderr and exit with status 2. JAX, optax, torch,
+scikit-learn, matplotlib and tqdm are imported only when a benchmark actually runs,
+so ``precond --help`` and ``precond bench --list`` are fast. Ctrl-C during a suite
+writes the report of the runs already finished and exits with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
+import shlex
 import sys
+import time
 from collections.abc import Sequence
 
 from precond import __version__
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
+from precond._common.xla_workarounds import (
+    avoid_xla_cpu_deadlock,
+    simulate_cpu_devices,
+)
 from precond.bench.optimizers import (
     BASELINE,
     DEFAULT_WEIGHT_DECAY,
+    FRAMEWORKS,
     OPTIMIZERS,
 )
 from precond.bench.runner import SCHEDULES
 from precond.bench.workloads import WORKLOADS
 
-# What a bare `precond bench` trains: the quickest real workload.
-DEFAULT_WORKLOAD = "digits-mlp"
-
 USAGE_ERROR = 2
 INTERRUPTED = 130
 
-# (module, extra that installs it) needed to run a benchmark.
-REQUIRED_MODULES = (
-    ("jax", "jax"),
-    ("optax", "jax"),
-    ("sklearn", "bench"),
-    ("tqdm", "bench"),
-)
+DEFAULT_LR_SWEEP = (0.3, 1.0, 3.0)
+DEFAULT_OUTPUT = "bench-results"
+
+# Modules each framework needs, and the extra that installs them.
+FRAMEWORK_MODULES = {
+    "jax": (("jax", "jax"), ("optax", "jax")),
+    "torch": (("torch", "torch"),),
+}
+# Modules every run needs.
+BENCH_MODULES = (("sklearn", "bench"), ("tqdm", "bench"), ("matplotlib", "bench"))
 
 
 class UsageError(Exception):
     """Bad command-line input: reported as one line, exit status 2."""
+
+
+def _error(message: str) -> UsageError:
+    return UsageError(f"precond bench: error: {message}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,17 +64,18 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------- argument types
 
 
-def _number(convert: type, low: float):
-    """An argparse type: ``convert(text)``, finite and >= ``low``."""
+def _number(convert: type, low: float, strict: bool = False):
+    """An argparse type: ``convert(text)``, finite and >= ``low`` (> if strict)."""
     kind = "an integer" if convert is int else "a number"
+    bound = f"> {low}" if strict else f">= {low}"
 
     def parse(text: str):
         try:
             value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
-        if not math.isfinite(value) or value < low:
-            raise argparse.ArgumentTypeError(f"{text} must be {kind} >= {low}")
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{text} must be {kind} {bound}")
         return value
 
     return parse
@@ -73,9 +84,10 @@ def _number(convert: type, low: float):
 _positive_int = _number(int, 1)
 _nonnegative_int = _number(int, 0)
 _nonnegative_float = _number(float, 0)
+_positive_float = _number(float, 0, strict=True)
 
 
-def _names(registry: dict, kind: str):
+def _names(registry, kind: str):
     def parse(text: str) -> list[str]:
         names = [name.strip() for name in text.split(",") if name.strip()]
         if not names:
@@ -93,6 +105,23 @@ def _names(registry: dict, kind: str):
         return names
 
     return parse
+
+
+def _multipliers(text: str) -> list[float]:
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} is not a number (e.g. --lr-sweep 0.3,1,3)"
+            ) from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"multiplier {item.strip()} must be > 0")
+        values.append(value)
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError("a multiplier is given more than once")
+    return values
 
 
 def _lr_override(text: str) -> tuple[str, float]:
@@ -131,34 +160,81 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"precond {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    optimizer_names = ", ".join(
-        f"{s.name} (lr {s.default_lr:g})" for s in OPTIMIZERS.values()
-    )
     bench = commands.add_parser(
         "bench",
-        help="train workloads with each optimizer and compare them",
+        help="train workloads with each optimizer and compare them with AdamW",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Train each workload with each optimizer for a fixed number of steps "
-            "(showing a progress bar per run on stderr), then print a table of "
-            "the final loss on the full train set, test accuracy, median step "
-            "time after warm-up, compile time of the train step, and "
-            f"optimizer-state bytes, with ratios to {BASELINE}. "
-            f"Optimizers: {optimizer_names}. Workloads: {', '.join(WORKLOADS)}."
+            "Train each workload with each optimizer, in each installed framework,\n"
+            "then print a table and write a report folder (report.md, results.json\n"
+            "and a PNG of validation loss vs steps and vs time per workload).\n"
+            "A progress bar per run goes to stderr. The table gives, per optimizer\n"
+            "at its selected learning rate: final validation loss and accuracy,\n"
+            f"steps and seconds to reach {BASELINE}'s final validation loss (the\n"
+            "first point where the linearly joined evaluations reach it; ratio to\n"
+            f"{BASELINE}'s steps/seconds), median step time, optimizer-state bytes\n"
+            "and JAX compile time. See --list for workloads and optimizers."
         ),
     )
     bench.add_argument(
+        "--frameworks",
+        type=_names(FRAMEWORKS, "framework"),
+        metavar="A,B",
+        help=(
+            "comma-separated frameworks, of jax (optax optimizers, models in plain "
+            "JAX) and torch (torch.optim optimizers, torch.nn models); default: "
+            "every installed one (a missing one is skipped with a note)"
+        ),
+    )
+    bench.add_argument(
+        "--workloads",
+        type=_names(WORKLOADS, "workload"),
+        default=list(WORKLOADS),
+        metavar="A,B",
+        help=f"comma-separated workloads (default: {','.join(WORKLOADS)})",
+    )
+    bench.add_argument(
+        "--optimizers",
+        type=_names(OPTIMIZERS, "optimizer"),
+        metavar="A,B",
+        help=(
+            "comma-separated optimizers; each runs in the selected frameworks it "
+            "exists in (default: "
+            + ",".join(n for n, s in OPTIMIZERS.items() if s.default)
+            + ", and kfac when torch is installed)"
+        ),
+    )
+    budget = bench.add_mutually_exclusive_group()
+    budget.add_argument(
         "--steps",
         type=_positive_int,
-        default=500,
         metavar="N",
-        help="training steps per run (default: %(default)s)",
+        help="training steps per run (default: each workload's own, see --list)",
+    )
+    budget.add_argument(
+        "--time-budget",
+        type=_positive_float,
+        metavar="SECONDS",
+        help=(
+            "train each run for this many seconds instead of a step budget "
+            "(compile and evaluation time excluded; the schedule follows the time)"
+        ),
     )
     bench.add_argument(
         "--batch-size",
         type=_positive_int,
-        default=128,
         metavar="N",
-        help="minibatch size (default: %(default)s)",
+        help="minibatch size (default: each workload's own, see --list)",
+    )
+    bench.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help=(
+            "run each configuration with N seeds (--seed, --seed + 1, ...) and "
+            "report means (default: %(default)s)"
+        ),
     )
     bench.add_argument(
         "--seed",
@@ -166,25 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help=(
-            "seed of the parameter init, minibatch order and optimizer randomness; "
-            "the train/test split is fixed (default: %(default)s)"
-        ),
-    )
-    bench.add_argument(
-        "--optimizers",
-        type=_names(OPTIMIZERS, "optimizer"),
-        default=list(OPTIMIZERS),
-        metavar="A,B",
-        help=f"comma-separated optimizers to run (default: {','.join(OPTIMIZERS)})",
-    )
-    bench.add_argument(
-        "--workloads",
-        type=_names(WORKLOADS, "workload"),
-        default=[DEFAULT_WORKLOAD],
-        metavar="A,B",
-        help=(
-            f"comma-separated workloads to run, of {','.join(WORKLOADS)} "
-            f"(default: {DEFAULT_WORKLOAD}, the quickest)"
+            "first seed of the parameter init, minibatch order and optimizer "
+            "randomness; the train/test split is fixed (default: %(default)s)"
         ),
     )
     bench.add_argument(
@@ -194,8 +253,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=VALUE",
         help=(
-            "learning rate of one optimizer, e.g. --lr kron=3e-4; repeat for "
-            "several (defaults: see --list)"
+            "peak learning rate of one optimizer on every workload, e.g. "
+            "--lr kron=3e-4; repeat for several (defaults: see --list)"
+        ),
+    )
+    bench.add_argument(
+        "--lr-sweep",
+        type=_multipliers,
+        nargs="?",
+        const=list(DEFAULT_LR_SWEEP),
+        metavar="M1,M2",
+        help=(
+            "also run each optimizer at these multiples of its learning rate "
+            "(default multiples: "
+            + ",".join(f"{m:g}" for m in DEFAULT_LR_SWEEP)
+            + ") and report the one with the lowest mean final validation loss"
         ),
     )
     bench.add_argument(
@@ -214,19 +286,38 @@ def build_parser() -> argparse.ArgumentParser:
         default="cosine",
         help=(
             "learning-rate schedule of every optimizer: 'cosine' warms up linearly "
-            "over the first 5%% of steps to the optimizer's rate, then decays it to "
-            "0 at the last step; 'constant' keeps the rate (default: %(default)s)"
+            "over the first 5%% of the budget to the optimizer's rate, then decays "
+            "it to 0 at the end; 'constant' keeps the rate (default: %(default)s)"
+        ),
+    )
+    bench.add_argument(
+        "--devices",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help=(
+            "shard each JAX batch over N devices (data parallel; on a CPU, N "
+            "devices are simulated); PyTorch runs use one process (default: 1)"
+        ),
+    )
+    bench.add_argument(
+        "--output",
+        metavar="DIR",
+        help=(
+            f"folder for report.md, results.json and the plots (default: "
+            f"{DEFAULT_OUTPUT}/<UTC date-time>)"
         ),
     )
     bench.add_argument(
         "--json",
         metavar="PATH",
-        help="also write the config, environment and every run's results as JSON",
+        help="also write the JSON report (config, environment, every run) to PATH",
     )
     bench.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="do not show progress bars",
+        "--no-plots", action="store_true", help="do not draw the PNG plots"
+    )
+    bench.add_argument(
+        "--no-progress", action="store_true", help="do not show progress bars"
     )
     bench.add_argument(
         "--list",
@@ -242,152 +333,295 @@ def build_parser() -> argparse.ArgumentParser:
 def _format_list() -> str:
     width = max(len(name) for name in (*WORKLOADS, *OPTIMIZERS))
     lines = ["workloads:"]
-    lines += [f"  {w.name:<{width}}  {w.description}" for w in WORKLOADS.values()]
+    for w in WORKLOADS.values():
+        lines.append(
+            f"  {w.name:<{width}}  {w.steps} steps, batch {w.batch_size}: "
+            f"{w.description}"
+        )
     lines.append("optimizers:")
-    lines += [
-        f"  {s.name:<{width}}  lr {s.default_lr:<8g} {s.description}"
-        for s in OPTIMIZERS.values()
-    ]
+    for s in OPTIMIZERS.values():
+        per_workload = ", ".join(f"{k} {v:g}" for k, v in s.workload_lr.items())
+        note = f" ({per_workload})" if per_workload else ""
+        frameworks = ",".join(s.frameworks())
+        if not s.available():
+            frameworks += " (not installed)"
+        lines.append(
+            f"  {s.name:<{width}}  lr {s.default_lr:g}{note}  [{frameworks}]  "
+            f"{s.description}"
+        )
     return "\n".join(lines)
 
 
-def _check_requirements() -> None:
-    for module, extra in REQUIRED_MODULES:
-        if importlib.util.find_spec(module) is None:
-            raise UsageError(
-                f"precond bench: error: {module} is not installed; install it with: "
-                f"pip install 'precond[{extra}]'"
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _missing(modules) -> tuple[str, str] | None:
+    for module, extra in modules:
+        if not _installed(module):
+            return module, extra
+    return None
+
+
+def _resolve_frameworks(requested: list[str] | None) -> tuple[list[str], list[str]]:
+    """(frameworks to run, notes about frameworks skipped)."""
+    if requested is not None:
+        for framework in requested:
+            missing = _missing(FRAMEWORK_MODULES[framework])
+            if missing:
+                raise _error(
+                    f"--frameworks {framework}: {missing[0]} is not installed; "
+                    f"install it with: pip install 'precond[{missing[1]}]'"
+                )
+        return requested, []
+    frameworks, notes = [], []
+    for framework in FRAMEWORKS:
+        missing = _missing(FRAMEWORK_MODULES[framework])
+        if missing is None:
+            frameworks.append(framework)
+        else:
+            notes.append(
+                f"precond bench: {missing[0]} is not installed: skipping the "
+                f"{framework} workloads (pip install 'precond[{missing[1]}]' to run "
+                "them)"
             )
+    if not frameworks:
+        raise _error(
+            "neither jax nor torch is installed; install one with: "
+            "pip install 'precond[jax]' (or 'precond[torch]')"
+        )
+    return frameworks, notes
 
 
-def _check_args(args: argparse.Namespace) -> dict[str, float]:
-    """Cross-argument checks; returns the learning-rate overrides by name."""
+def _resolve_optimizers(requested: list[str] | None, frameworks: list[str]):
+    if requested is None:
+        names = [
+            n
+            for n, s in OPTIMIZERS.items()
+            if (s.default or n == "kfac") and s.available()
+        ]
+    else:
+        names = requested
+    specs = []
+    for name in names:
+        spec = OPTIMIZERS[name]
+        if not spec.available():
+            raise _error(
+                f"optimizer {name!r} needs {', '.join(spec.requires)}, which is not "
+                "installed"
+            )
+        if set(spec.frameworks()) & set(frameworks):
+            specs.append(spec)
+        elif requested is not None:
+            raise _error(
+                f"optimizer {name!r} exists in {', '.join(spec.frameworks())} only, "
+                f"not in the selected frameworks ({','.join(frameworks)})"
+            )
+    return specs
+
+
+def _check_output(args: argparse.Namespace) -> str:
+    if args.output is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        return os.path.join(DEFAULT_OUTPUT, stamp)
+    path = os.path.abspath(args.output)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise _error(f"--output {args.output!r} is a file, not a folder")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise _error(f"--output {args.output!r}: folder {parent!r} does not exist")
+    return args.output
+
+
+def _check_json(args: argparse.Namespace) -> None:
+    if args.json is None:
+        return
+    path = os.path.abspath(args.json)
+    if os.path.isdir(path):
+        raise _error(f"--json {args.json!r} is a folder")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise _error(
+            f"--json {args.json!r}: folder {os.path.dirname(path)!r} does not exist"
+        )
+
+
+def _check_lr(args: argparse.Namespace, specs) -> dict[str, float]:
     overrides: dict[str, float] = {}
+    names = [s.name for s in specs]
     for name, value in args.lr:
         if name in overrides:
-            raise UsageError(f"precond bench: error: --lr {name}= given more than once")
-        if name not in args.optimizers:
-            raise UsageError(
-                f"precond bench: error: --lr {name}= given but {name!r} is not in "
-                f"--optimizers ({','.join(args.optimizers)})"
+            raise _error(f"--lr {name}= given more than once")
+        if name not in names:
+            raise _error(
+                f"--lr {name}= given but {name!r} is not among the optimizers "
+                f"to run ({','.join(names)})"
             )
         overrides[name] = value
-    if args.json is not None:
-        path = os.path.abspath(args.json)
-        if os.path.isdir(path):
-            raise UsageError(f"precond bench: error: --json {args.json!r} is a folder")
-        if not os.path.isdir(os.path.dirname(path)):
-            raise UsageError(
-                f"precond bench: error: --json {args.json!r}: folder "
-                f"{os.path.dirname(path)!r} does not exist"
-            )
     return overrides
 
 
-def _check_batch_size(workloads, batch_size: int) -> None:
+def _check_batch_size(args: argparse.Namespace, workloads, devices: int) -> None:
     for workload in workloads:
+        batch = args.batch_size or workload.batch_size
         n_train = len(workload.load_split(workload.split_seed).x_train)
-        if batch_size > n_train:
-            raise UsageError(
-                f"precond bench: error: --batch-size {batch_size} exceeds the "
-                f"{n_train} training rows of workload {workload.name!r}"
+        if batch > n_train:
+            raise _error(
+                f"--batch-size {batch} exceeds the {n_train} training rows of "
+                f"workload {workload.name!r}"
+            )
+        if batch % devices:
+            raise _error(
+                f"batch size {batch} of workload {workload.name!r} is not divisible "
+                f"by --devices {devices}"
             )
 
 
-def _run_bench(args: argparse.Namespace) -> int:
+def _prepare_jax(devices: int) -> None:
+    """XLA flags before jax starts; then checks the device count."""
+    avoid_xla_cpu_deadlock()
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # Shampoo's eigh, see README
+    if devices > 1 and "jax" not in sys.modules:
+        simulate_cpu_devices(devices)
+    import jax
+
+    if jax.device_count() < devices:
+        raise _error(
+            f"--devices {devices}: jax sees {jax.device_count()} device(s) "
+            f"(set XLA_FLAGS=--xla_force_host_platform_device_count={devices} "
+            "before jax starts)"
+        )
+
+
+def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.list:
         print(_format_list())
         return 0
-    overrides = _check_args(args)
-    _check_requirements()
-    avoid_xla_cpu_deadlock()  # before jax is first imported
-
-    from tqdm import tqdm
-
-    from precond.bench.optimizers import get_optimizer
-    from precond.bench.report import format_table, json_document
-    from precond.bench.runner import RunConfig, environment, run
-    from precond.bench.workloads import get_workload
-
-    workloads = [get_workload(name) for name in args.workloads]
-    _check_batch_size(workloads, args.batch_size)
-    config = RunConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        schedule=args.schedule,
-    )
-    env = environment()
-
-    results = []
-    for workload in workloads:
-        for name in args.optimizers:
-            spec = get_optimizer(name)
-            with tqdm(
-                total=config.steps,
-                desc=f"{workload.name} {name} (compiling)",
-                unit="step",
-                file=sys.stderr,
-                dynamic_ncols=True,
-                disable=args.no_progress,
-            ) as bar:
-                label = f"{workload.name} {name}"
-
-                def on_compiled(seconds: float, bar=bar, label=label) -> None:
-                    bar.set_description(label, refresh=False)
-                    bar.reset()  # restart the clock: the rate counts steps only
-
-                def on_step(step: int, loss: float, bar=bar) -> None:
-                    if step % 10 == 0 or step == config.steps:
-                        bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
-                    bar.update(1)
-
-                results.append(
-                    run(
-                        workload,
-                        spec,
-                        config,
-                        learning_rate=overrides.get(name),
-                        weight_decay=args.weight_decay,
-                        on_compiled=on_compiled,
-                        on_step=on_step,
-                    )
-                )
-
-    print(
-        f"precond bench: {config.steps} steps, batch {config.batch_size}, "
-        f"seed {config.seed}, {config.schedule} schedule, "
-        f"weight decay {args.weight_decay:g}; "
-        f"jax {env['jax']} on {env['backend']} ({env['device']})"
-    )
-    print(format_table(results, baseline=BASELINE))
-    if args.json is not None:
-        document = json_document(
-            results,
-            config={
-                "steps": config.steps,
-                "batch_size": config.batch_size,
-                "seed": config.seed,
-                "weight_decay": args.weight_decay,
-                "schedule": config.schedule,
-                "warmup_steps": config.warmup_steps,
-                "eval_every": config.eval_every,
-                "optimizers": list(args.optimizers),
-                "workloads": list(args.workloads),
-                "learning_rates": {r.optimizer: r.learning_rate for r in results},
-            },
-            environment=env,
-            baseline=BASELINE,
+    frameworks, notes = _resolve_frameworks(args.frameworks)
+    missing = _missing(BENCH_MODULES)
+    if missing:
+        raise _error(
+            f"{missing[0]} is not installed; install it with: "
+            f"pip install 'precond[{missing[1]}]'"
         )
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump(document, file, indent=2, allow_nan=False)
-            file.write("\n")
-        print(f"wrote {args.json}")
+    specs = _resolve_optimizers(args.optimizers, frameworks)
+    overrides = _check_lr(args, specs)
+    if args.devices > 1 and "jax" not in frameworks:
+        raise _error(f"--devices {args.devices} applies to jax, which is not selected")
+    output = _check_output(args)
+    _check_json(args)
+    workloads = [WORKLOADS[name] for name in args.workloads]
+    _check_batch_size(args, workloads, args.devices if "jax" in frameworks else 1)
+    if "jax" in frameworks:
+        _prepare_jax(args.devices)
+    for note in notes:
+        print(note, file=sys.stderr)
+
+    from precond.bench.analysis import summarize
+    from precond.bench.report import (
+        format_markdown,
+        format_table,
+        json_document,
+        write_json,
+    )
+    from precond.bench.runner import environment
+    from precond.bench.suite import plan, run_suite
+
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    jobs = plan(
+        frameworks,
+        workloads,
+        specs,
+        seeds=seeds,
+        lr_multipliers=args.lr_sweep or [1.0],
+        lr_overrides=overrides,
+        steps=args.steps,
+        time_budget_s=args.time_budget,
+        batch_size=args.batch_size,
+        schedule=args.schedule,
+        devices=args.devices,
+    )
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    started = time.perf_counter()
+    outcome = run_suite(jobs, args.weight_decay, progress=not args.no_progress)
+    wall_s = time.perf_counter() - started
+    results = outcome.results
+
+    env = environment(tuple(frameworks))
+    rows = summarize(results, baseline=BASELINE)
+    config = {
+        "frameworks": ",".join(frameworks),
+        "workloads": ",".join(args.workloads),
+        "optimizers": ",".join(s.name for s in specs),
+        "budget": (
+            f"{args.time_budget:g} s per run"
+            if args.time_budget
+            else (f"{args.steps} steps" if args.steps else "each workload's steps")
+        ),
+        "batch_size": args.batch_size or "each workload's",
+        "seeds": ",".join(map(str, seeds)),
+        "lr_sweep": ",".join(f"{m:g}" for m in args.lr_sweep or [1.0]),
+        "weight_decay": args.weight_decay,
+        "schedule": args.schedule,
+        "devices": args.devices,
+        "runs": f"{len(results)} of {len(jobs)}",
+        "wall_s": round(wall_s, 1),
+    }
+    print(
+        f"precond bench: {len(results)} runs in {wall_s:.0f} s; "
+        + ", ".join(f"{k} {env[k]}" for k in ("jax", "torch") if k in env)
+        + f", {env['cpu_count']} CPUs"
+    )
+    if rows:
+        print(format_table(rows, baseline=BASELINE))
+
+    os.makedirs(output, exist_ok=True)
+    plots = []
+    if rows and not args.no_plots:
+        from precond.bench.plots import plot_curves
+
+        plots = plot_curves(results, rows, output, baseline=BASELINE)
+    command = "precond " + shlex.join(argv)
+    markdown = format_markdown(
+        rows,
+        command=command,
+        config=config,
+        environment=env,
+        plots=plots,
+        baseline=BASELINE,
+        interrupted=outcome.interrupted,
+        date=date,
+    )
+    with open(os.path.join(output, "report.md"), "w", encoding="utf-8") as file:
+        file.write(markdown)
+    document = json_document(
+        results,
+        rows,
+        config=config | {"command": command, "date": date},
+        environment=env,
+        baseline=BASELINE,
+        interrupted=outcome.interrupted,
+    )
+    write_json(document, os.path.join(output, "results.json"))
+    if args.json is not None:
+        write_json(document, args.json)
+    report = os.path.join(output, "report.md")
+    if outcome.interrupted:
+        print(
+            f"precond bench: interrupted after {len(results)} of {len(jobs)} runs; "
+            f"the report of the finished runs is in {report}",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
+    print(f"precond bench: report written to {report}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``precond`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
@@ -400,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return USAGE_ERROR
-        return _run_bench(args)
+        return _run_bench(args, argv)
     except UsageError as error:
         print(error, file=sys.stderr)
         return USAGE_ERROR

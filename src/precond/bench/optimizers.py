@@ -1,20 +1,33 @@
-"""Benchmark optimizers: name ↦ default learning rate and an optax factory.
+"""Benchmark optimizers: name ↦ default learning rate and a factory per framework.
 
-Every entry builds an ``optax.GradientTransformation`` from a learning rate (a
-number or an optax schedule of the step count) and a decoupled weight decay, so the
-runner treats all optimizers alike. Factories import JAX, optax and precond.jax when
-called, never at import time.
+A JAX factory builds an ``optax.GradientTransformation`` from a (constant) learning
+rate and a decoupled weight decay; a PyTorch factory builds a
+:class:`TorchOptimizer` from a model, a learning rate and a weight decay. The runners
+treat all optimizers alike: the learning-rate schedule multiplies the whole update
+(JAX) or sets ``param_groups[i]["lr"]`` (PyTorch) every step. Factories import JAX,
+optax, torch and precond when called, never at import time.
+
+To add a PyTorch optimizer, write a factory ``(model, lr, weight_decay) ↦
+TorchOptimizer`` and register an :class:`OptimizerSpec` with it in
+:data:`OPTIMIZERS` (see ``_make_torch_kfac``: a gradient preconditioner stepped
+before an SGD step).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Decoupled weight decay λ shared by every optimizer (optax.adamw's default), applied
-# as θ ← θ − lr·(u + λθ) by AdamW, Kron and Shampoo.
+# as θ ← θ − lr·(u + λθ) by AdamW, Kron, Shampoo and SGD.
 DEFAULT_WEIGHT_DECAY = 1e-4
+
+FRAMEWORKS = ("jax", "torch")
+
+# The baseline every ratio in the report is taken against.
+BASELINE = "adamw"
 
 
 @dataclass(frozen=True)
@@ -24,20 +37,105 @@ class OptimizerSpec:
     Attributes:
         name: registry key, used on the command line.
         description: one line for ``precond bench --list``.
-        default_lr: peak learning rate used unless overridden (``--lr name=value``).
-        make: (learning_rate or schedule, weight_decay) ↦ optax transformation.
+        default_lr: peak learning rate used unless overridden (``--lr name=value``)
+            or given for the workload in ``workload_lr``.
+        make: (learning_rate, weight_decay) ↦ optax transformation, or None when
+            there is no JAX version.
+        make_torch: (model, learning_rate, weight_decay) ↦ :class:`TorchOptimizer`,
+            or None when there is no PyTorch version.
+        workload_lr: default peak learning rate per workload name.
+        requires: modules that must be importable for the PyTorch factory.
+        default: run by a bare ``precond bench`` (others only when named).
     """
 
     name: str
     description: str
     default_lr: float
-    make: Callable[[Any, float], Any]
+    make: Callable[[Any, float], Any] | None = None
+    make_torch: Callable[[Any, float, float], TorchOptimizer] | None = None
+    workload_lr: dict[str, float] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+    default: bool = True
+
+    def frameworks(self) -> tuple[str, ...]:
+        """The frameworks this optimizer has a factory for."""
+        found = []
+        if self.make is not None:
+            found.append("jax")
+        if self.make_torch is not None:
+            found.append("torch")
+        return tuple(found)
+
+    def learning_rate(self, workload: str) -> float:
+        """The default peak learning rate on ``workload``."""
+        return self.workload_lr.get(workload, self.default_lr)
+
+    def available(self) -> bool:
+        """Whether the modules of ``requires`` are installed."""
+        return all(importlib.util.find_spec(m) is not None for m in self.requires)
+
+
+class TorchOptimizer:
+    """A PyTorch optimizer as the runner drives it: an optional gradient
+    preconditioner (``preconditioner.step()`` rewrites the ``.grad`` fields, as
+    K-FAC does) followed by a ``torch.optim.Optimizer`` step.
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` that applies the update.
+        preconditioner: an object with ``step()``, stepped before ``optimizer``,
+            and ``memory_bytes()`` (its state), or None.
+    """
+
+    def __init__(self, optimizer: Any, preconditioner: Any = None):
+        self.optimizer = optimizer
+        self.preconditioner = preconditioner
+        self.lr = optimizer.param_groups[0]["lr"]
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        """Sets the learning rate of every param group (and of the
+        preconditioner, through ``self.lr``, if it reads it)."""
+        self.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        if self.preconditioner is not None:
+            self.preconditioner.step()
+        self.optimizer.step()
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors and the preconditioner's."""
+        import torch
+
+        def nbytes(value: Any) -> int:
+            if isinstance(value, torch.Tensor):
+                return value.numel() * value.element_size()
+            if isinstance(value, dict):
+                return sum(nbytes(v) for v in value.values())
+            if isinstance(value, list | tuple):
+                return sum(nbytes(v) for v in value)
+            return 0
+
+        total = nbytes(dict(self.optimizer.state))
+        if self.preconditioner is not None:
+            total += self.preconditioner.memory_bytes()
+        return total
+
+
+# --------------------------------------------------------------------------- JAX
 
 
 def _make_kron(learning_rate, weight_decay: float):
     from precond.jax import kron
 
-    return kron(learning_rate=learning_rate, weight_decay=weight_decay)
+    return kron(
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        preconditioner_update_style="QUAD",
+    )
 
 
 def make_shampoo(learning_rate, weight_decay: float, **kwargs):
@@ -65,10 +163,106 @@ def make_shampoo(learning_rate, weight_decay: float, **kwargs):
     )
 
 
+# The bench's Shampoo: β2 0.95 (0.999, the default, gave spiky digits curves) and
+# inverse roots by eigh every 10 steps (faster and more accurate than Newton on a
+# CPU; see BENCHMARKS.md).
+BENCH_SHAMPOO_OPTIONS = {
+    "beta2": 0.95,
+    "eigh": True,
+    "preconditioning_compute_steps": 10,
+}
+
+
+def _make_bench_shampoo(learning_rate, weight_decay: float):
+    return make_shampoo(learning_rate, weight_decay, **BENCH_SHAMPOO_OPTIONS)
+
+
 def _make_adamw(learning_rate, weight_decay: float):
     import optax
 
     return optax.adamw(learning_rate=learning_rate, weight_decay=weight_decay)
+
+
+SGD_MOMENTUM = 0.9
+
+
+def _make_sgd(learning_rate, weight_decay: float):
+    import optax
+
+    return optax.chain(
+        optax.trace(decay=SGD_MOMENTUM, nesterov=True),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+# ------------------------------------------------------------------------- torch
+
+
+def _make_torch_kron(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    from precond.torch import Kron
+
+    return TorchOptimizer(
+        Kron(
+            model.parameters(),
+            lr=lr,
+            weight_decay=weight_decay,
+            preconditioner_update_style="QUAD",
+        )
+    )
+
+
+def _make_torch_adamw(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    import torch
+
+    return TorchOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    )
+
+
+def _torch_sgd(model, lr: float, weight_decay: float):
+    """SGD with Nesterov momentum 0.9 and decoupled weight decay θ ← θ(1 − lr·λ)
+    (torch's SGD couples it; it is applied here after the step instead)."""
+    import torch
+
+    class DecoupledSGD(torch.optim.SGD):
+        def __init__(self, params, lr, weight_decay):
+            super().__init__(params, lr=lr, momentum=SGD_MOMENTUM, nesterov=True)
+            self.decoupled_weight_decay = weight_decay
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.mul_(1 - group["lr"] * self.decoupled_weight_decay)
+            return loss
+
+    return DecoupledSGD(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
+def _make_torch_sgd(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    return TorchOptimizer(_torch_sgd(model, lr, weight_decay))
+
+
+def _make_torch_kfac(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    """SGD-momentum whose gradients K-FAC preconditions (KAISA's usage:
+    ``loss.backward(); kfac.step(); sgd.step()``). K-FAC's own ``lr`` (its KL
+    clip) follows the scheduled learning rate."""
+    from precond.torch.kfac import KFAC
+
+    optimizer = TorchOptimizer(_torch_sgd(model, lr, weight_decay))
+    optimizer.preconditioner = KFAC(
+        model,
+        lr=lambda step: optimizer.lr,
+        damping=KFAC_DAMPING,
+        factor_update_steps=1,
+        inv_update_steps=10,
+    )
+    return optimizer
+
+
+KFAC_DAMPING = 0.003
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -76,28 +270,50 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     for spec in (
         OptimizerSpec(
             name="kron",
-            description="PSGD Kron (precond.jax.kron), default arguments",
-            default_lr=1e-3,
-            make=_make_kron,
-        ),
-        OptimizerSpec(
-            name="adamw",
-            description="AdamW (optax.adamw), β=(0.9, 0.999), ε=1e-8",
+            description="PSGD Kron (precond.jax.kron / precond.torch.Kron), "
+            "preconditioner_update_style='QUAD', other arguments default",
             default_lr=3e-3,
-            make=_make_adamw,
+            make=_make_kron,
+            make_torch=_make_torch_kron,
+            workload_lr={"char-lm": 3e-3},
         ),
         OptimizerSpec(
             name="shampoo",
             description="Distributed Shampoo (precond.jax.distributed_shampoo), "
-            "block 128, RMSProp-normalized grafting, decoupled weight decay",
+            "block 128, RMSProp-normalized grafting, β2 0.95, eigh roots every "
+            "10 steps, decoupled weight decay",
+            # A sweep of 0.3×/1×/3× 3e-3 on char-lm chose 9e-4 (BENCHMARKS.md).
             default_lr=1e-3,
-            make=make_shampoo,
+            make=_make_bench_shampoo,
+        ),
+        OptimizerSpec(
+            name="kfac",
+            description="K-FAC (precond.torch.kfac.KFAC, damping "
+            f"{KFAC_DAMPING:g}, inverses every 10 steps) preconditioning "
+            "SGD-momentum; PyTorch only",
+            default_lr=0.03,
+            make_torch=_make_torch_kfac,
+            requires=("precond.torch.kfac",),
+        ),
+        OptimizerSpec(
+            name="adamw",
+            description="AdamW (optax.adamw / torch.optim.AdamW), β=(0.9, 0.999), "
+            "ε=1e-8",
+            default_lr=3e-3,
+            make=_make_adamw,
+            make_torch=_make_torch_adamw,
+            workload_lr={"char-lm": 1e-2},
+        ),
+        OptimizerSpec(
+            name="sgd",
+            description="SGD, Nesterov momentum 0.9, decoupled weight decay",
+            default_lr=0.03,
+            make=_make_sgd,
+            make_torch=_make_torch_sgd,
+            workload_lr={"char-lm": 0.3},
         ),
     )
 }
-
-# The baseline every ratio in the report is taken against.
-BASELINE = "adamw"
 
 
 def get_optimizer(name: str) -> OptimizerSpec:

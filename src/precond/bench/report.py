@@ -1,88 +1,214 @@
-"""Reports of benchmark results: a plain-text table and a JSON document.
+"""Reports of benchmark results: a terminal table, a Markdown report and a JSON
+document.
 
-Both take :class:`precond.bench.runner.RunResult` objects and return strings or
-dicts; writing them anywhere is the caller's business.
+All take :class:`precond.bench.analysis.Summary` rows (and the raw runs) and return
+strings or dicts; :func:`write_report` writes them to an output folder.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
+from precond.bench.analysis import Summary
 from precond.bench.runner import RunResult
 
-JSON_SCHEMA_VERSION = 1
+JSON_SCHEMA_VERSION = 2
 
+NOT_REACHED = "not reached"
+
+# (header, right-aligned)
 COLUMNS = (
-    # (header, right-aligned)
+    ("framework", False),
     ("workload", False),
     ("optimizer", False),
     ("lr", True),
-    ("train loss", True),
-    ("test loss", True),
-    ("test acc", True),
+    ("val loss", True),
+    ("val acc", True),
+    ("steps to base", True),
+    ("time to base", True),
     ("step ms", True),
     ("step ×base", True),
-    ("compile s", True),
     ("state bytes", True),
     ("state ×base", True),
+    ("compile s", True),
 )
 
 
-def _ratio(value: float, base: float | None) -> str:
-    if base is None or base == 0 or not math.isfinite(value):
+def _number(value: float | None, spec: str) -> str:
+    if value is None:
         return "-"
-    return f"{value / base:.2f}"
-
-
-def _number(value: float, spec: str) -> str:
     return format(value, spec) if math.isfinite(value) else str(value)
 
 
-def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
-    """One row per run; ratios are to the ``baseline`` optimizer's run of the same
-    workload ("-" where it was not run).
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
-    Columns: final loss on the full train and test sets (a float32 cross-entropy
-    that underflows prints as 0), test accuracy (%), median step time
-    (ms), its ratio to the baseline, train-step compile time (s), optimizer-state
-    bytes and their ratio to the baseline.
-    """
-    base = {r.workload: r for r in results if r.optimizer == baseline}
-    headers = [h.replace("base", baseline) if "×" in h else h for h, _ in COLUMNS]
-    rows = []
-    for r in results:
-        b = base.get(r.workload)
-        rows.append(
-            [
-                r.workload,
-                r.optimizer,
-                f"{r.learning_rate:g}",
-                _number(r.final_train_loss, ".3g"),
-                _number(r.test_loss, ".3g"),
-                _number(100 * r.test_accuracy, ".2f") + "%",
-                f"{r.median_step_ms:.3f}",
-                _ratio(r.median_step_ms, b.median_step_ms if b else None),
-                f"{r.compile_s:.2f}",
-                f"{r.state_bytes:,}",
-                _ratio(r.state_bytes, b.state_bytes if b else None),
-            ]
-        )
-    widths = [
-        max(len(headers[i]), *(len(row[i]) for row in rows)) if rows else len(h)
-        for i, h in enumerate(headers)
+
+def _reach(value: float | None, ratio: float | None, row: Summary, unit: str) -> str:
+    """ "123 (0.62)", "not reached", or "-" without a baseline."""
+    if row.target is None:
+        return "-"
+    if value is None:
+        return NOT_REACHED
+    number = f"{value:.0f}" if unit == "steps" else f"{value:.3g}s"
+    return f"{number} ({ratio:.2f})" if ratio is not None else number
+
+
+def _loss(row: Summary) -> str:
+    text = _number(row.val_loss, ".4g")
+    if len(row.seeds) > 1 and math.isfinite(row.val_loss):
+        text += f"±{row.val_loss_std:.2g}"
+    if row.diverged:
+        text += " (diverged)"
+    return text
+
+
+def table_cells(row: Summary) -> list[str]:
+    """The cells of one row of :data:`COLUMNS`."""
+    return [
+        row.framework,
+        row.workload,
+        row.optimizer,
+        f"{row.learning_rate:g}",
+        _loss(row),
+        _number(100 * row.val_accuracy, ".1f") + "%",
+        _reach(row.steps_to_target, row.steps_ratio, row, "steps"),
+        _reach(row.time_to_target, row.time_ratio, row, "time"),
+        _number(row.median_step_ms, ".2f"),
+        _ratio(row.step_ratio),
+        f"{row.state_bytes:,}",
+        _ratio(row.state_ratio),
+        _number(row.compile_s, ".1f"),
     ]
 
-    def line(cells: Sequence[str]) -> str:
+
+def _headers(baseline: str) -> list[str]:
+    return [h.replace("base", baseline) for h, _ in COLUMNS]
+
+
+def format_table(rows: Sequence[Summary], baseline: str = "adamw") -> str:
+    """A plain-text table, one row per optimizer at its selected rate.
+
+    Columns: final validation loss (mean ± std over seeds), validation accuracy,
+    steps and seconds to reach the baseline's final validation loss (ratio to the
+    baseline's steps and seconds in parentheses; see
+    :mod:`precond.bench.analysis`), median step time and its ratio to the
+    baseline, optimizer-state bytes and their ratio, JAX compile time.
+    """
+    headers = _headers(baseline)
+    cells = [table_cells(row) for row in rows]
+    widths = [
+        max([len(headers[i])] + [len(c[i]) for c in cells]) for i in range(len(headers))
+    ]
+
+    def line(values: Sequence[str]) -> str:
         parts = [
-            cell.rjust(width) if right else cell.ljust(width)
-            for cell, width, (_, right) in zip(cells, widths, COLUMNS, strict=True)
+            v.rjust(w) if right else v.ljust(w)
+            for v, w, (_, right) in zip(values, widths, COLUMNS, strict=True)
         ]
         return "  ".join(parts).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+    return "\n".join([line(headers), rule, *(line(c) for c in cells)])
+
+
+def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |"]
+    lines.append("|" + "|".join("---" for _ in headers) + "|")
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def format_markdown(
+    rows: Sequence[Summary],
+    *,
+    command: str,
+    config: dict[str, Any],
+    environment: dict[str, Any],
+    plots: Sequence[str],
+    baseline: str = "adamw",
+    interrupted: bool = False,
+    date: str = "",
+) -> str:
+    """The Markdown report: how it was made, the summary table, the loss of each
+    optimizer at the baseline's steps and time, the learning-rate sweep and the
+    plots (paths relative to the report)."""
+    env = ", ".join(f"{k} {v}" for k, v in environment.items())
+    out = [
+        "# precond bench report",
+        "",
+        f"- command: `{command}`",
+        f"- date (UTC): {date}",
+        f"- environment: {env}",
+        "- config: "
+        + ", ".join(f"{k} {v}" for k, v in config.items() if k != "learning_rates"),
+    ]
+    if interrupted:
+        out += ["", "**Interrupted**: only the runs that finished are reported."]
+    out += [
+        "",
+        "## Summary",
+        "",
+        f"Each optimizer at its selected learning rate (lowest mean final "
+        f"validation loss over the seeds of its sweep). 'steps/time to {baseline}': "
+        f"the first step (training second) at which the validation loss, "
+        f"evaluated on the whole validation split and joined linearly between "
+        f"evaluations, is ≤ {baseline}'s final validation loss, and in parentheses "
+        f"its ratio to {baseline}'s steps (seconds); 'not reached' if it never is.",
+        "",
+        _markdown_table(_headers(baseline), [table_cells(r) for r in rows]),
+        "",
+        f"## Equal steps and equal time vs {baseline}",
+        "",
+        f"Validation loss of each optimizer after {baseline}'s number of steps and "
+        f"after {baseline}'s training time ('-' where the run was shorter).",
+        "",
+    ]
+    equal = [
+        [
+            r.framework,
+            r.workload,
+            r.optimizer,
+            _number(r.target, ".4g"),
+            _number(r.val_loss_at_baseline_steps, ".4g"),
+            _number(r.val_loss_at_baseline_time, ".4g"),
+            _number(r.train_s, ".1f"),
+        ]
+        for r in rows
+    ]
+    headers = ["framework", "workload", "optimizer", f"{baseline} final loss"]
+    headers += [f"loss at {baseline}'s steps", f"loss at {baseline}'s time"]
+    headers += ["train s"]
+    out += [_markdown_table(headers, equal), ""]
+    if any(len(r.swept) > 1 for r in rows):
+        out += [
+            "## Learning-rate sweep",
+            "",
+            "Mean final validation loss over seeds at each learning rate "
+            "(selected in bold).",
+            "",
+        ]
+        sweep = []
+        for r in rows:
+            cells = []
+            for lr, v in r.swept.items():
+                cell = f"{lr:g}: {_number(v, '.4g')}"
+                cells.append(f"**{cell}**" if lr == r.learning_rate else cell)
+            sweep.append([r.framework, r.workload, r.optimizer, " · ".join(cells)])
+        out += [
+            _markdown_table(["framework", "workload", "optimizer", "lr: loss"], sweep),
+            "",
+        ]
+    if plots:
+        out += ["## Plots", ""]
+        out += [f"![{os.path.basename(p)}]({p})" for p in plots]
+        out.append("")
+    return "\n".join(out)
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -98,19 +224,35 @@ def _finite_or_none(value: Any) -> Any:
 
 def json_document(
     results: Sequence[RunResult],
+    rows: Sequence[Summary],
     *,
     config: dict[str, Any],
     environment: dict[str, Any],
     baseline: str = "adamw",
+    interrupted: bool = False,
 ) -> dict[str, Any]:
     """A JSON-ready dict: schema version, the command's config, the environment,
-    the baseline name and one dict per run (non-finite numbers become null)."""
+    the baseline, whether the suite was interrupted, one summary per optimizer
+    and one dict per run (non-finite numbers become null)."""
+    summaries = []
+    for row in rows:
+        d = asdict(row)
+        d["swept"] = [{"learning_rate": k, "val_loss": v} for k, v in row.swept.items()]
+        summaries.append(d)
     return _finite_or_none(
         {
             "schema_version": JSON_SCHEMA_VERSION,
             "config": dict(config),
             "environment": dict(environment),
             "baseline": baseline,
+            "interrupted": interrupted,
+            "summary": summaries,
             "runs": [r.to_dict() for r in results],
         }
     )
+
+
+def write_json(document: dict[str, Any], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(document, file, indent=2, allow_nan=False)
+        file.write("\n")

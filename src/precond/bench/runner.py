@@ -1,12 +1,17 @@
 """Train one workload with one optimizer and measure loss, accuracy, time and memory.
 
-:func:`run` compiles the train step ahead of time (so compile time is measured on its
-own), runs a fixed step budget with every step blocked on its results, and returns a
-:class:`RunResult`. It never prints: progress goes to an optional callback.
+:func:`training_loop` is shared by the frameworks: it draws the minibatches, sets
+the learning-rate multiplier of every step from the budget used so far, times every
+step and evaluates on the validation rows. :func:`run_jax` (here) and
+:func:`precond.bench.torch_runner.run_torch` give it a framework's train step and
+evaluation and return a :class:`RunResult`. Nothing here prints: progress goes to
+optional callbacks.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -14,66 +19,98 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from precond._common.validation import check_choice, check_int
+from precond.bench.data import BatchStream, batch_indices
 from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY, OptimizerSpec
-from precond.bench.workloads import Workload, batch_indices
+from precond.bench.workloads import Workload
 
 # Steps excluded from the median step time (allocator and cache warm-up).
 WARMUP_STEPS = 10
-# Full train/test evaluation every this many steps (and always after the last step).
-EVAL_EVERY = 50
 # Learning-rate schedules: the peak rate held ("constant"), or a linear warm-up over
-# the first 5% of steps followed by a cosine decay to zero at the last step ("cosine").
+# the first 5% of the budget followed by a cosine decay to zero at its end.
 SCHEDULES = ("cosine", "constant")
 WARMUP_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What to run: the step budget, minibatch size and seed of one training run.
+    """What to run: the budget, minibatch size and seed of one training run.
 
-    ``seed`` sets the parameter init, the minibatch order and the optimizer's own
-    randomness; the train/test split is the workload's fixed ``split_seed``.
-    ``schedule`` is one of :data:`SCHEDULES`, applied to every optimizer's rate.
+    Exactly one of ``steps`` (a step budget) and ``time_budget_s`` (seconds of
+    training, compile and evaluations excluded) is set. ``seed`` sets the
+    parameter init, the minibatch order and the optimizer's own randomness; the
+    train/test split is the workload's fixed ``split_seed``. ``schedule`` is one
+    of :data:`SCHEDULES`, applied to every optimizer's rate. The validation rows
+    are scored before the first step, every ``eval_every`` steps and after the
+    last. ``devices`` > 1 shards each JAX batch over that many devices.
     """
 
-    steps: int = 500
+    steps: int | None = 400
     batch_size: int = 128
     seed: int = 0
     schedule: str = "cosine"
-    eval_every: int = EVAL_EVERY
+    eval_every: int = 20
     warmup_steps: int = WARMUP_STEPS
+    time_budget_s: float | None = None
+    devices: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every"):
+        if (self.steps is None) == (self.time_budget_s is None):
+            raise ValueError(
+                f"Invalid budget steps={self.steps!r}, time_budget_s="
+                f"{self.time_budget_s!r}: give exactly one"
+            )
+        if self.steps is not None:
+            check_int("steps", self.steps, low=1)
+        if self.time_budget_s is not None and not (
+            math.isfinite(self.time_budget_s) and self.time_budget_s > 0
+        ):
+            raise ValueError(
+                f"Invalid time_budget_s={self.time_budget_s!r}: must be finite and > 0"
+            )
+        for name in ("batch_size", "eval_every", "devices"):
             check_int(name, getattr(self, name), low=1)
         check_int("warmup_steps", self.warmup_steps, low=0)
         check_choice("schedule", self.schedule, SCHEDULES)
+
+    def budget(self) -> str:
+        """The budget in words: "400 steps" or "60 s"."""
+        if self.steps is not None:
+            return f"{self.steps} steps"
+        return f"{self.time_budget_s:g} s"
 
 
 @dataclass
 class RunResult:
     """Measurements of one run. Times in seconds unless named ``_ms``.
 
-    ``history`` holds one entry per evaluation, ``{"step", "train_loss",
-    "test_loss", "test_accuracy"}`` on the full train and test sets; the last entry
-    is after the final step, and ``final_train_loss`` / ``test_accuracy`` are its
+    ``history`` holds one entry per evaluation, ``{"step", "time_s",
+    "train_loss", "val_loss", "val_accuracy"}``: ``time_s`` is the training time
+    up to that step (compile and evaluations excluded), ``train_loss`` the mean
+    minibatch loss since the previous evaluation (NaN at step 0), ``val_*`` the
+    workload's metrics on its whole validation (test) split. The first entry is
+    at step 0, the last after the final step; ``final_*`` are the last entry's
     values. ``minibatch_loss[i]`` is the loss of the batch of step i + 1 and
-    ``step_ms[i]`` its wall time (warm-up steps included).
+    ``step_ms[i]`` its wall time (warm-up steps included). ``diverged``: a
+    minibatch loss was not finite, and the run stopped there.
     """
 
+    framework: str
     workload: str
     optimizer: str
     learning_rate: float  # the peak rate of the schedule
     schedule: str
     weight_decay: float
-    steps: int
-    batch_size: int
     seed: int
+    batch_size: int
+    budget: str
+    devices: int
+    steps: int  # steps taken
     final_train_loss: float
-    test_loss: float
-    test_accuracy: float
+    final_val_loss: float
+    final_val_accuracy: float
+    diverged: bool
     median_step_ms: float
-    compile_s: float
+    compile_s: float | None  # None where there is no separate compilation
     train_s: float
     param_bytes: int
     state_bytes: int
@@ -85,18 +122,13 @@ class RunResult:
         return asdict(self)
 
 
-def tree_nbytes(tree: Any) -> int:
-    """Sum of ``nbytes`` over the array leaves of a pytree (other leaves count 0)."""
-    import jax
-
-    return int(sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(tree)))
-
-
 def learning_rate_schedule(peak: float, steps: int, schedule: str):
-    """The rate of every step: ``peak`` itself, or an optax warm-up + cosine schedule.
+    """An optax schedule: ``peak`` itself, or linear warm-up + cosine decay.
 
     "cosine": linear from 0 to ``peak`` over ``WARMUP_FRACTION·steps`` steps (none
-    when that rounds to 0), then cosine decay to 0 at ``steps``.
+    when that rounds to 0), then cosine decay to 0 at ``steps``. (The bench itself
+    uses :func:`lr_multiplier`, which also serves time budgets; the benchmark
+    scripts use this.)
     """
     if schedule == "constant":
         return peak
@@ -114,166 +146,309 @@ def learning_rate_schedule(peak: float, steps: int, schedule: str):
     )
 
 
-def make_train_step(workload: Workload, optimizer) -> Callable:
-    """(params, opt_state, x_train, y_train, idx) ↦ (params, opt_state, loss).
+def lr_multiplier(progress: float, schedule: str) -> float:
+    """The learning rate as a fraction of the peak, at ``progress`` ∈ [0, 1] of the
+    budget: 1 ("constant"), or ``progress / 0.05`` during the warm-up and then
+    ``(1 + cos(π·(progress − 0.05) / 0.95)) / 2`` ("cosine")."""
+    if schedule == "constant":
+        return 1.0
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < WARMUP_FRACTION:
+        return progress / WARMUP_FRACTION
+    decayed = (progress - WARMUP_FRACTION) / (1.0 - WARMUP_FRACTION)
+    return 0.5 * (1.0 + math.cos(math.pi * decayed))
 
-    Gathers the minibatch ``idx`` from the device-resident training set, takes the
-    loss gradient and applies one optimizer update.
+
+@dataclass
+class LoopRecord:
+    """What :func:`training_loop` measured."""
+
+    history: list[dict[str, float]]
+    minibatch_loss: list[float]
+    step_seconds: list[float]
+    train_s: float
+    diverged: bool
+
+
+def training_loop(
+    step: Callable[[Any, float], float],
+    evaluate: Callable[[], tuple[float, float]],
+    config: RunConfig,
+    n_train: int,
+    on_step: Callable[[int, float, float], None] | None = None,
+) -> LoopRecord:
+    """Runs ``config``'s budget of steps.
+
+    Args:
+        step: (row indices of the batch, learning-rate multiplier) ↦ minibatch loss,
+            after the update has completed.
+        evaluate: () ↦ (validation loss, validation accuracy) of the current model.
+        config: the budget, batch size, seed, schedule and evaluation interval.
+        n_train: training rows (the minibatches are drawn from them).
+        on_step: called after every step with (step, minibatch loss, training
+            seconds so far).
+
+    The multiplier of step k is the schedule at the middle of that step's share of
+    the budget: (k − ½)/N of a budget of N steps, or, with a time budget T,
+    (t + ½·d)/T where t is the training time before the step and d the previous
+    step's duration (0 before the first). A time-budget run stops after the step
+    that uses up the budget. A non-finite minibatch loss stops the run.
+    """
+    if config.steps is not None:
+        batches = batch_indices(n_train, config.batch_size, config.steps, config.seed)
+        next_batch = iter(batches).__next__
+    else:
+        next_batch = BatchStream(n_train, config.batch_size, config.seed).next
+
+    def record(k: int, elapsed: float, train_loss: float) -> dict[str, float]:
+        val_loss, val_accuracy = evaluate()
+        return {
+            "step": k,
+            "time_s": elapsed,
+            "train_loss": train_loss,
+            "val_loss": float(val_loss),
+            "val_accuracy": float(val_accuracy),
+        }
+
+    history = [record(0, 0.0, math.nan)]
+    losses: list[float] = []
+    seconds: list[float] = []
+    elapsed, k, diverged = 0.0, 0, False
+    since_eval: list[float] = []
+    while True:
+        if config.steps is not None:
+            if k == config.steps:
+                break
+            progress = (k + 0.5) / config.steps
+        else:
+            if elapsed >= config.time_budget_s:
+                break
+            last = seconds[-1] if seconds else 0.0
+            progress = (elapsed + 0.5 * last) / config.time_budget_s
+        idx = next_batch()
+        start = time.perf_counter()
+        loss = float(step(idx, lr_multiplier(progress, config.schedule)))
+        seconds.append(time.perf_counter() - start)
+        elapsed += seconds[-1]
+        k += 1
+        losses.append(loss)
+        since_eval.append(loss)
+        diverged = not math.isfinite(loss)
+        if on_step is not None:
+            on_step(k, loss, elapsed)
+        if diverged:
+            break
+        if k % config.eval_every == 0:
+            history.append(record(k, elapsed, statistics.fmean(since_eval)))
+            since_eval = []
+    if history[-1]["step"] != k:
+        train_loss = statistics.fmean(since_eval) if since_eval else math.nan
+        history.append(record(k, elapsed, train_loss))
+    return LoopRecord(history, losses, seconds, elapsed, diverged)
+
+
+def median_step_ms(seconds: list[float], warmup_steps: int) -> float:
+    """Median step time (ms) after ``warmup_steps`` (all steps if there are no
+    more; NaN if none)."""
+    timed = seconds[warmup_steps:] or seconds
+    return 1e3 * statistics.median(timed) if timed else math.nan
+
+
+def result_from_loop(loop: LoopRecord, config: RunConfig, **fields: Any) -> RunResult:
+    """A :class:`RunResult` from a loop record and the run's own fields."""
+    final = loop.history[-1]
+    return RunResult(
+        schedule=config.schedule,
+        seed=config.seed,
+        batch_size=config.batch_size,
+        budget=config.budget(),
+        steps=len(loop.minibatch_loss),
+        final_train_loss=final["train_loss"],
+        final_val_loss=final["val_loss"],
+        final_val_accuracy=final["val_accuracy"],
+        diverged=loop.diverged,
+        median_step_ms=median_step_ms(loop.step_seconds, config.warmup_steps),
+        train_s=loop.train_s,
+        history=loop.history,
+        minibatch_loss=loop.minibatch_loss,
+        step_ms=[1e3 * s for s in loop.step_seconds],
+        **fields,
+    )
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Sum of ``nbytes`` over the array leaves of a pytree (other leaves count 0)."""
+    import jax
+
+    return int(sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(tree)))
+
+
+def make_train_step(workload: Workload, optimizer, batch_sharding=None) -> Callable:
+    """(params, opt_state, x_train, y_train, idx, lr_scale) ↦ (params, opt_state,
+    loss).
+
+    Gathers the minibatch ``idx`` from the device-resident training set (split
+    over the devices by ``batch_sharding`` if given), takes the loss gradient,
+    applies one optimizer update multiplied by ``lr_scale`` (every optimizer's
+    update is proportional to its learning rate, decay included).
     """
     import jax
     import optax
 
-    def train_step(params, opt_state, x_train, y_train, idx):
+    def train_step(params, opt_state, x_train, y_train, idx, lr_scale):
         with jax.named_scope("precond/bench/train_step"):
             x, y = x_train[idx], y_train[idx]
+            if batch_sharding is not None:
+                x = jax.lax.with_sharding_constraint(x, batch_sharding)
+                y = jax.lax.with_sharding_constraint(y, batch_sharding)
             loss, grads = jax.value_and_grad(workload.loss)(params, x, y)
             updates, opt_state = optimizer.update(grads, opt_state, params)
+            updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
             params = optax.apply_updates(params, updates)
         return params, opt_state, loss
 
     return train_step
 
 
-def make_evaluate(workload: Workload) -> Callable:
-    """(params, x_train, y_train, x_test, y_test) ↦ {"train_loss", "test_loss", ...}."""
+@functools.cache
+def _jitted_metrics(workload: Workload) -> Callable:
+    """``jax.jit(workload.metrics)``, one per workload, so that its compilations
+    are shared by every run of the suite."""
+    import jax
 
-    def evaluate(params, x_train, y_train, x_test, y_test):
-        train = workload.metrics(params, x_train, y_train)
-        test = workload.metrics(params, x_test, y_test)
-        return {
-            "train_loss": train["loss"],
-            "test_loss": test["loss"],
-            "test_accuracy": test["accuracy"],
-        }
-
-    return evaluate
+    return jax.jit(workload.metrics)
 
 
-def run(
+def run_jax(
     workload: Workload,
     spec: OptimizerSpec,
     config: RunConfig,
     *,
-    learning_rate: float | None = None,
+    learning_rate: float,
     weight_decay: float = DEFAULT_WEIGHT_DECAY,
     on_compiled: Callable[[float], None] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, float, float], None] | None = None,
 ) -> RunResult:
-    """Trains ``workload`` with ``spec`` for ``config.steps`` steps and measures it.
+    """Trains ``workload`` with ``spec``'s JAX optimizer within ``config``'s budget.
 
-    Args:
-        workload: what to train.
-        spec: the optimizer; ``learning_rate`` defaults to ``spec.default_lr``.
-        config: steps, batch size, seed and learning-rate schedule.
-        learning_rate: overrides the optimizer's default (peak) learning rate.
-        weight_decay: decoupled weight decay λ given to the optimizer.
-        on_compiled: called once with the compile time (s) before the first step.
-        on_step: called after every step with (step, minibatch loss), step 1-based.
-
-    Returns:
-        The run's :class:`RunResult`. The median step time is over the steps after
-        ``config.warmup_steps`` (all steps if there are no more), each timed from
-        dispatch until its parameters, state and loss are ready.
+    The train step is compiled ahead of time (so its compile time is measured on
+    its own) and every step is timed from dispatch until its parameters, state and
+    loss are ready. With ``config.devices`` > 1 the parameters, optimizer state
+    and training set are replicated over a ("data",) mesh of that many devices and
+    each batch is split over it.
     """
+    import contextlib
+
     import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    lr = spec.default_lr if learning_rate is None else learning_rate
     split = workload.load_split(workload.split_seed)
-    batches = batch_indices(
-        len(split.x_train), config.batch_size, config.steps, config.seed
-    )
-    x_train, y_train, x_test, y_test = jax.device_put(
-        (split.x_train, split.y_train, split.x_test, split.y_test)
-    )
-
-    optimizer = spec.make(
-        learning_rate_schedule(lr, config.steps, config.schedule), weight_decay
-    )
-    params = workload.init_params(config.seed)
-    opt_state = optimizer.init(params)
-
-    start = time.perf_counter()
-    train_step = (
-        jax.jit(make_train_step(workload, optimizer))
-        .lower(params, opt_state, x_train, y_train, batches[0])
-        .compile()
-    )
-    compile_s = time.perf_counter() - start
-    evaluate = (
-        jax.jit(make_evaluate(workload))
-        .lower(params, x_train, y_train, x_test, y_test)
-        .compile()
-    )
-    if on_compiled is not None:
-        on_compiled(compile_s)
-
-    def record(step: int) -> dict[str, float]:
-        metrics = evaluate(params, x_train, y_train, x_test, y_test)
-        return {"step": step, **{k: float(v) for k, v in metrics.items()}}
-
-    step_seconds: list[float] = []
-    minibatch_loss: list[float] = []
-    history: list[dict[str, float]] = []
-    train_start = time.perf_counter()
-    for step in range(1, config.steps + 1):
-        idx = batches[step - 1]
-        start = time.perf_counter()
-        params, opt_state, loss = jax.block_until_ready(
-            train_step(params, opt_state, x_train, y_train, idx)
+    batch_sharding = None
+    context = contextlib.nullcontext()
+    put = jax.device_put
+    if config.devices > 1:
+        mesh = jax.make_mesh(
+            (config.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
         )
-        step_seconds.append(time.perf_counter() - start)
-        minibatch_loss.append(float(loss))
-        if step % config.eval_every == 0 or step == config.steps:
-            history.append(record(step))
-        if on_step is not None:
-            on_step(step, minibatch_loss[-1])
-    train_s = time.perf_counter() - train_start
+        batch_sharding = NamedSharding(mesh, P("data"))
+        replicated = NamedSharding(mesh, P())
+        context = jax.set_mesh(mesh)
 
-    timed = step_seconds[config.warmup_steps :] or step_seconds
-    final = history[-1]
-    return RunResult(
+        def put(tree, sharding=replicated):
+            return jax.device_put(tree, sharding)
+
+    with context:
+        x_train, y_train, x_test, y_test = put(
+            (split.x_train, split.y_train, split.x_test, split.y_test)
+        )
+        optimizer = spec.make(learning_rate, weight_decay)
+        params = put(workload.init_params(config.seed))
+        opt_state = optimizer.init(params)
+
+        def place(idx):
+            return put(idx) if batch_sharding is None else put(idx, batch_sharding)
+
+        first = place(jnp.zeros((config.batch_size,), jnp.int32))
+        one = jnp.float32(1.0)
+        start = time.perf_counter()
+        train_step = (
+            jax.jit(make_train_step(workload, optimizer, batch_sharding))
+            .lower(params, opt_state, x_train, y_train, first, one)
+            .compile()
+        )
+        compile_s = time.perf_counter() - start
+        metrics = _jitted_metrics(workload)
+        if on_compiled is not None:
+            on_compiled(compile_s)
+
+        state = {"params": params, "opt_state": opt_state}
+
+        def step(idx, scale: float) -> float:
+            out = train_step(
+                state["params"],
+                state["opt_state"],
+                x_train,
+                y_train,
+                place(idx),
+                jnp.float32(scale),
+            )
+            state["params"], state["opt_state"], loss = jax.block_until_ready(out)
+            return float(loss)
+
+        def evaluate() -> tuple[float, float]:
+            result = metrics(state["params"], x_test, y_test)
+            return float(result["loss"]), float(result["accuracy"])
+
+        loop = training_loop(step, evaluate, config, len(split.x_train), on_step)
+
+    return result_from_loop(
+        loop,
+        config,
+        framework="jax",
         workload=workload.name,
         optimizer=spec.name,
-        learning_rate=float(lr),
-        schedule=config.schedule,
+        learning_rate=float(learning_rate),
         weight_decay=float(weight_decay),
-        steps=config.steps,
-        batch_size=config.batch_size,
-        seed=config.seed,
-        final_train_loss=final["train_loss"],
-        test_loss=final["test_loss"],
-        test_accuracy=final["test_accuracy"],
-        median_step_ms=1e3 * statistics.median(timed),
+        devices=config.devices,
         compile_s=compile_s,
-        train_s=train_s,
-        param_bytes=tree_nbytes(params),
-        state_bytes=tree_nbytes(opt_state),
-        history=history,
-        minibatch_loss=minibatch_loss,
-        step_ms=[1e3 * seconds for seconds in step_seconds],
+        param_bytes=tree_nbytes(state["params"]),
+        state_bytes=tree_nbytes(state["opt_state"]),
     )
 
 
-def environment() -> dict[str, Any]:
+def environment(frameworks: tuple[str, ...] = ("jax",)) -> dict[str, Any]:
     """Versions and device of this process, recorded beside the results."""
     import os
     import platform
 
-    import jax
-    import optax
-
     from precond import __version__
 
-    device = jax.devices()[0]
-    return {
+    env: dict[str, Any] = {
         "precond": __version__,
-        "jax": jax.__version__,
-        "optax": optax.__version__,
         "python": platform.python_version(),
-        "backend": jax.default_backend(),
-        "device": getattr(device, "device_kind", str(device)),
-        "device_count": jax.device_count(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
     }
+    if "jax" in frameworks:
+        import jax
+        import optax
+
+        device = jax.devices()[0]
+        env |= {
+            "jax": jax.__version__,
+            "optax": optax.__version__,
+            "backend": jax.default_backend(),
+            "device": getattr(device, "device_kind", str(device)),
+            "device_count": jax.device_count(),
+        }
+    if "torch" in frameworks:
+        import torch
+
+        env |= {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    return env

@@ -679,6 +679,12 @@ class KFAC:
         for layer, update in zip(active, preconditioned, strict=True):
             layer.set_grad(update * scale if scale != 1.0 else update)
 
+    def memory_bytes(self) -> int:
+        """Bytes of the factors and second-order data this rank holds."""
+        tensors = [t for l in self.layers for t in (l.A, l.G) if t is not None]
+        tensors += [t for l in self.layers for t in l.second_order.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     # -- checkpoints --
     _HYPERPARAMETERS = (
         "factor_update_steps",

@@ -1,0 +1,220 @@
+"""From runs to comparisons: learning-rate selection, steps and time to reach the
+baseline's final loss, and the loss of each optimizer at the baseline's budget.
+
+Pure Python on :class:`precond.bench.runner.RunResult` objects (no JAX, no torch).
+
+Steps to reach AdamW's loss (the definition used everywhere in the report): the
+target is the mean, over seeds, of AdamW's final validation loss (at its selected
+learning rate, same framework and workload). Each run's validation losses, scored
+on the whole validation split every ``eval_every`` steps, are joined by straight
+lines, and the first point where that curve is ≤ the target is the step (and,
+on the (training time, loss) curve, the time) to reach it. The losses are not
+smoothed: they are full-split evaluations, not noisy minibatch losses. Interpolation
+only refines the step between two evaluations. A run whose curve never reaches the
+target has "not reached". Over seeds, the mean is reported when every seed
+reached the target, else "not reached".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from precond.bench.runner import RunResult
+
+
+def first_crossing(
+    xs: Sequence[float], losses: Sequence[float], target: float
+) -> float | None:
+    """The first x where the piecewise-linear curve through (xs[i], losses[i]) is
+    ≤ ``target``, or None if it never is.
+
+    ``xs`` must be increasing. Non-finite losses break the curve: a segment with a
+    non-finite end is skipped (its finite end still counts as a point).
+    """
+    if len(xs) != len(losses):
+        raise ValueError(f"{len(xs)} x values but {len(losses)} losses")
+    if not math.isfinite(target):
+        return None
+    previous = None
+    for x, loss in zip(xs, losses, strict=True):
+        if math.isfinite(loss):
+            if loss <= target:
+                if previous is None or previous[1] == loss:
+                    return float(x)
+                x0, l0 = previous
+                return float(x0 + (x - x0) * (l0 - target) / (l0 - loss))
+            previous = (x, loss)
+        else:
+            previous = None
+    return None
+
+
+def value_at(xs: Sequence[float], losses: Sequence[float], x: float) -> float | None:
+    """The piecewise-linear curve through (xs[i], losses[i]) at ``x``; None if
+    ``x`` is outside [xs[0], xs[-1]]."""
+    if not xs or x < xs[0] or x > xs[-1]:
+        return None
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1, l0, l1 = xs[i - 1], xs[i], losses[i - 1], losses[i]
+            return float(l1 if x1 == x0 else l0 + (l1 - l0) * (x - x0) / (x1 - x0))
+    return float(losses[0])
+
+
+def _curve(run: RunResult, axis: str) -> tuple[list[float], list[float]]:
+    return (
+        [float(h[axis]) for h in run.history],
+        [float(h["val_loss"]) for h in run.history],
+    )
+
+
+def _score(loss: float) -> float:
+    return loss if math.isfinite(loss) else math.inf
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+def _std(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+Key = tuple[str, str, str]  # (framework, workload, optimizer)
+
+
+def group_runs(results: Sequence[RunResult]) -> dict[Key, dict[float, list[RunResult]]]:
+    """Runs by (framework, workload, optimizer), then by learning rate, in the
+    order first seen."""
+    groups: dict[Key, dict[float, list[RunResult]]] = {}
+    for r in results:
+        key = (r.framework, r.workload, r.optimizer)
+        groups.setdefault(key, {}).setdefault(r.learning_rate, []).append(r)
+    return groups
+
+
+def select_learning_rates(
+    results: Sequence[RunResult],
+) -> dict[Key, float]:
+    """The learning rate of each (framework, workload, optimizer) with the lowest
+    mean final validation loss over its seeds (a non-finite loss counts as +∞;
+    ties go to the rate run first)."""
+    chosen = {}
+    for key, by_lr in group_runs(results).items():
+        chosen[key] = min(
+            by_lr,
+            key=lambda lr: _mean([_score(r.final_val_loss) for r in by_lr[lr]]),
+        )
+    return chosen
+
+
+@dataclass
+class Summary:
+    """One row of the report: an optimizer at its selected rate, over seeds.
+
+    Ratios are to the baseline of the same framework and workload (None where it
+    was not run): ``steps_ratio`` = steps to reach its final loss / its steps,
+    ``time_ratio`` = seconds to reach it / its training seconds.
+    """
+
+    framework: str
+    workload: str
+    optimizer: str
+    learning_rate: float
+    seeds: list[int]
+    steps: float  # mean steps taken
+    val_loss: float  # mean final validation loss
+    val_loss_std: float
+    val_accuracy: float
+    train_loss: float
+    median_step_ms: float
+    compile_s: float | None
+    train_s: float
+    state_bytes: int
+    param_bytes: int
+    diverged: int  # seeds that diverged
+    target: float | None = None  # the baseline's mean final validation loss
+    steps_to_target: float | None = None
+    time_to_target: float | None = None
+    steps_ratio: float | None = None
+    time_ratio: float | None = None
+    val_loss_at_baseline_steps: float | None = None
+    val_loss_at_baseline_time: float | None = None
+    step_ratio: float | None = None  # median step time / the baseline's
+    state_ratio: float | None = None  # state bytes / the baseline's
+    swept: dict[float, float] = field(default_factory=dict)  # lr ↦ mean val loss
+
+
+def _all_or_none(values: list[float | None]) -> float | None:
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.fmean(values)
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or not base or not math.isfinite(base):
+        return None
+    return value / base
+
+
+def summarize(results: Sequence[RunResult], baseline: str = "adamw") -> list[Summary]:
+    """One :class:`Summary` per (framework, workload, optimizer), in the order
+    first run, each at its selected learning rate, compared with ``baseline``."""
+    groups = group_runs(results)
+    chosen = select_learning_rates(results)
+    rows: dict[Key, Summary] = {}
+    for key, by_lr in groups.items():
+        runs = by_lr[chosen[key]]
+        compile_times = [r.compile_s for r in runs if r.compile_s is not None]
+        rows[key] = Summary(
+            framework=key[0],
+            workload=key[1],
+            optimizer=key[2],
+            learning_rate=chosen[key],
+            seeds=[r.seed for r in runs],
+            steps=_mean([r.steps for r in runs]),
+            val_loss=_mean([r.final_val_loss for r in runs]),
+            val_loss_std=_std([r.final_val_loss for r in runs]),
+            val_accuracy=_mean([r.final_val_accuracy for r in runs]),
+            train_loss=_mean([r.final_train_loss for r in runs]),
+            median_step_ms=_mean([r.median_step_ms for r in runs]),
+            compile_s=_mean(compile_times) if compile_times else None,
+            train_s=_mean([r.train_s for r in runs]),
+            state_bytes=runs[0].state_bytes,
+            param_bytes=runs[0].param_bytes,
+            diverged=sum(r.diverged for r in runs),
+            swept={
+                lr: _mean([r.final_val_loss for r in group])
+                for lr, group in sorted(by_lr.items())
+            },
+        )
+    for key, row in rows.items():
+        base_key = (key[0], key[1], baseline)
+        if base_key not in rows:
+            continue
+        base = rows[base_key]
+        base_runs = groups[base_key][chosen[base_key]]
+        runs = groups[key][chosen[key]]
+        row.target = base.val_loss if math.isfinite(base.val_loss) else None
+        if row.target is not None:
+            row.steps_to_target = _all_or_none(
+                [first_crossing(*_curve(r, "step"), row.target) for r in runs]
+            )
+            row.time_to_target = _all_or_none(
+                [first_crossing(*_curve(r, "time_s"), row.target) for r in runs]
+            )
+        row.steps_ratio = _ratio(row.steps_to_target, base.steps)
+        row.time_ratio = _ratio(row.time_to_target, base.train_s)
+        row.val_loss_at_baseline_steps = _all_or_none(
+            [value_at(*_curve(r, "step"), base.steps) for r in runs]
+        )
+        base_time = _mean([r.train_s for r in base_runs])
+        row.val_loss_at_baseline_time = _all_or_none(
+            [value_at(*_curve(r, "time_s"), base_time) for r in runs]
+        )
+        row.step_ratio = _ratio(row.median_step_ms, base.median_step_ms)
+        row.state_ratio = _ratio(row.state_bytes, base.state_bytes)
+    return list(rows.values())
