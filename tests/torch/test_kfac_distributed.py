@@ -30,7 +30,6 @@ Also: unit tests of ``WorkerGrid`` and ``assign_layers`` (no processes).
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import random
 import traceback
@@ -49,7 +48,7 @@ from precond.torch.kfac import (
     assign_layers,
 )
 from precond.torch.kfac.preconditioner import _grad_workers
-from tests.torch.test_kron_distributed import COLLECTIVE_TIMEOUT_S, spawn
+from tests.torch.test_kron_distributed import init_gloo, spawn
 
 STEPS = 5
 GLOBAL_BATCH = 16
@@ -207,14 +206,7 @@ def worker(rank, world_size, init_file, out_dir):
     out = Path(out_dir)
     config_name = "init_process_group"
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        init_gloo(rank, world_size, init_file)
         for config_name in CONFIGS:
             result = distributed_run(rank, world_size, config_name, out)
             torch.save(result, out / f"rank{rank}-{config_name}.pt")

@@ -141,20 +141,26 @@ RUNS = {
 }
 
 
+def init_gloo(rank: int, world_size: int, init_file) -> None:
+    """Joins the gloo group of a spawned test run (one thread per process, a
+    timeout on every collective)."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
 def worker(rank, world_size, init_file, out_dir, case_names):
     """One rank: for each case, DDP over its shard of every global batch; writes
     rank{r}-{case}.pt, or rank{r}.err with the case and the traceback."""
     out = Path(out_dir)
     case_name = "init_process_group"
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        init_gloo(rank, world_size, init_file)
         for case_name in case_names:
             model_name, dtype_name, sharded = CASES[case_name]
             model = build(model_name, dtype_name)
