@@ -72,15 +72,9 @@ def example_defaults() -> argparse.Namespace:
 
 
 def make_kfac(net: nn.Module, defaults: argparse.Namespace, strategy: str) -> KFAC:
-    ex = example()
-    return KFAC(
-        net,
-        lr=defaults.lr,
-        damping=defaults.damping,
-        kl_clip=defaults.kl_clip or None,
-        factor_update_steps=defaults.factor_update_steps,
-        inv_update_steps=defaults.inv_update_steps,
-        grad_worker_fraction=ex.STRATEGIES[strategy],
+    """The example's K-FAC (its default settings) with ``strategy``."""
+    return example().make_kfac(
+        net, argparse.Namespace(**{**vars(defaults), "strategy": strategy})
     )
 
 

@@ -71,6 +71,19 @@ class DigitsCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(h.flatten(1))))
 
 
+def make_kfac(net: nn.Module, args: argparse.Namespace) -> KFAC:
+    """The K-FAC preconditioner of ``net`` with the command line's settings."""
+    return KFAC(
+        net,
+        lr=args.lr,
+        damping=args.damping,
+        kl_clip=args.kl_clip or None,
+        factor_update_steps=args.factor_update_steps,
+        inv_update_steps=args.inv_update_steps,
+        grad_worker_fraction=STRATEGIES[args.strategy],
+    )
+
+
 def load_split(seed: int = 0):
     """(x_train, y_train, x_test, y_test): float32 (n, 1, 8, 8) in [0, 1], int64."""
     digits = load_digits()
@@ -161,17 +174,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
         momentum=args.momentum,
         weight_decay=args.weight_decay,
     )
-    preconditioner = None
-    if not args.no_kfac:
-        preconditioner = KFAC(
-            net,
-            lr=args.lr,
-            damping=args.damping,
-            kl_clip=args.kl_clip or None,
-            factor_update_steps=args.factor_update_steps,
-            inv_update_steps=args.inv_update_steps,
-            grad_worker_fraction=STRATEGIES[args.strategy],
-        )
+    preconditioner = None if args.no_kfac else make_kfac(net, args)
     steps_per_epoch = len(y_train) // args.batch_size
     total_steps = args.epochs * steps_per_epoch
     if args.steps is not None:
