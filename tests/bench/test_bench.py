@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from precond.bench import cli, suite
 from precond.bench.analysis import (
-    first_crossing,
+    reached_and_stayed,
     select_learning_rates,
     summarize,
     value_at,
+    winners,
 )
 from precond.bench.data import BatchStream
+from precond.bench.machine import available_cores
 from precond.bench.optimizers import OPTIMIZERS
-from precond.bench.report import format_table, json_document
+from precond.bench.report import format_table, format_winners, json_document
 from precond.bench.runner import (
     RunConfig,
     RunResult,
@@ -38,6 +44,20 @@ from precond.bench.workloads import (
 )
 
 HAS_KFAC = OPTIMIZERS["kfac"].available()
+
+
+@pytest.fixture(autouse=True)
+def _keep_thread_settings():
+    """``cli.main`` sets the thread pools' environment variables and torch's
+    thread counts for its process: give them back to the other tests."""
+    saved = dict(os.environ)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    if torch is not None or "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads or available_cores())
 
 
 def _rows(x: np.ndarray) -> set[bytes]:
@@ -189,25 +209,30 @@ def test_torch_models_match_the_jax_architectures():
 # ------------------------------------------------------------ steps to reach, loop
 
 
-def test_first_crossing_on_synthetic_curves():
+def test_reached_and_stayed_on_synthetic_curves():
     steps = [0, 10, 20, 30]
+    reach = reached_and_stayed
     # Crosses between evaluations: linear interpolation of the step.
-    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.5], 1.5) == pytest.approx(15.0)
+    assert reach(steps, [3.0, 2.0, 1.0, 0.5], 1.5) == pytest.approx(15.0)
     # Exactly on an evaluation.
-    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.5], 1.0) == pytest.approx(20.0)
-    # The first crossing counts, even if the curve rises again (overfitting).
-    assert first_crossing(steps, [3.0, 0.5, 2.0, 2.5], 2.5) == pytest.approx(2.0)
-    # Never reached, or reached at the start.
-    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.9], 0.5) is None
-    assert first_crossing(steps, [0.4, 2.0, 1.0, 0.9], 0.5) == 0.0
+    assert reach(steps, [3.0, 2.0, 1.0, 0.5], 1.0) == pytest.approx(20.0)
+    # A transient dip does not count: the curve must stay at or below the target.
+    # Here it dips to 0.5 at step 10, rises to 2.0 and comes back down to 1.0,
+    # crossing 1.5 for good at step 25.
+    assert reach(steps, [3.0, 0.5, 2.0, 1.0], 1.5) == pytest.approx(25.0)
+    # A dip that never comes back (final loss above the target): not reached.
+    assert reach(steps, [3.0, 0.5, 2.0, 2.5], 1.5) is None
+    # Never reached, or below from the start.
+    assert reach(steps, [3.0, 2.0, 1.0, 0.9], 0.5) is None
+    assert reach(steps, [0.4, 0.3, 0.2, 0.1], 0.5) == 0.0
     # A non-finite point breaks the curve: no interpolation across it.
-    assert first_crossing(steps, [3.0, math.nan, 1.0, 0.5], 1.5) == 20.0
-    assert first_crossing(steps, [3.0, math.inf, math.inf, 5.0], 1.5) is None
-    assert first_crossing(steps, [3.0, 2.0, 1.0, 0.5], math.nan) is None
+    assert reach(steps, [3.0, math.nan, 1.0, 0.5], 1.5) == 20.0
+    assert reach(steps, [3.0, math.inf, math.inf, 5.0], 1.5) is None
+    assert reach(steps, [3.0, 2.0, 1.0, 0.5], math.nan) is None
     # Wall-time axis: the same rule on seconds.
-    assert first_crossing([0.0, 0.5, 1.5], [2.0, 1.0, 0.0], 0.5) == pytest.approx(1.0)
+    assert reach([0.0, 0.5, 1.5], [2.0, 1.0, 0.0], 0.5) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="3 x values but 2 losses"):
-        first_crossing([0, 1, 2], [1.0, 0.5], 0.7)
+        reach([0, 1, 2], [1.0, 0.5], 0.7)
 
     assert value_at(steps, [3.0, 2.0, 1.0, 0.5], 25) == pytest.approx(0.75)
     assert value_at(steps, [3.0, 2.0, 1.0, 0.5], 0) == 3.0
@@ -302,12 +327,44 @@ def test_summary_selects_rates_and_compares_with_adamw():
     assert sgd.steps_to_target is None
     assert sgd.steps_ratio is None
     table = format_table(list(rows.values()), baseline="adamw").splitlines()
-    assert table[0].split()[:3] == ["framework", "workload", "optimizer"]
-    assert "not reached" in next(line for line in table if " sgd " in line)
-    assert "12 (0.42)" in next(line for line in table if " kron " in line)
+    assert table[0].split()[:4] == ["framework", "workload", "optimizer", "rank"]
+    sgd_line = next(line for line in table if " sgd " in line)
+    assert "not reached" in sgd_line
+    kron_line = next(line for line in table if " kron " in line)
+    assert "12 (0.42)" in kron_line
+    # Ranks by final validation loss: Kron 0.35, AdamW 1.0, SGD 1.5.
+    assert kron_line.split()[3] == "1"
+    assert sgd_line.split()[3] == "3"
+    adamw_line = next(line for line in table if " adamw (baseline) " in line)
+    assert adamw_line.split()[4] == "2"
+    (line,) = format_winners(list(rows.values())).splitlines()
+    assert line == (
+        "w (jax): kron has the lowest mean final validation loss, 0.35 ± 0.071; "
+        "runner-up adamw, 1 ± 0.14."
+    )
     document = json_document(runs, list(rows.values()), config={}, environment={})
     text = json.dumps(document, allow_nan=False)  # would raise on NaN
     assert json.loads(text)["runs"][4]["final_val_loss"] is None
+
+
+def test_winner_within_the_seeds_spread_is_not_a_settled_order():
+    runs = [
+        _run("adamw", 1e-3, 0, [3.0, 1.0]),  # mean 1.2, std 0.28
+        _run("adamw", 1e-3, 1, [3.0, 1.4]),
+        _run("kron", 1e-3, 0, [3.0, 1.1]),  # mean 1.15, std 0.07
+        _run("kron", 1e-3, 1, [3.0, 1.2]),
+        _run("sgd", 1e-3, 0, [3.0, math.nan]),  # diverged: never wins
+        _run("sgd", 1e-3, 1, [3.0, math.nan]),
+    ]
+    (winner,) = winners(summarize(runs))
+    assert winner.best.optimizer == "kron"
+    assert winner.runner_up.optimizer == "adamw"
+    assert winner.within_spread
+    line = format_winners(summarize(runs))
+    assert line.endswith("(within the seeds' spread: not a settled order).")
+    # With one seed there is no spread to be within.
+    (winner,) = winners(summarize(runs[::2]))
+    assert (winner.best.optimizer, winner.within_spread) == ("adamw", False)
 
 
 def test_lr_multiplier_warms_up_then_decays_to_zero():
@@ -445,7 +502,7 @@ def small_test_splits(monkeypatch):
 def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     workload, framework, tmp_path, capsys
 ):
-    if not cli._installed(framework):
+    if not cli.module_installed(framework):
         pytest.skip(f"{framework} is not installed")
     document, markdown, out, folder = _suite(tmp_path, capsys, workload, framework)
     frameworks = (framework,)
@@ -487,8 +544,10 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
             for line in out.splitlines()
             if line.split()[:3] == [*key[:1], workload, key[1]]
         )
-        assert line.split()[4] == f"{run['final_val_loss']:.4g}"
-        assert f"| {key[0]} | {workload} | {key[1]} | " in markdown
+        cells = line.replace(" (baseline)", "").split()
+        assert cells[5] == f"{run['final_val_loss']:.4g}"
+        name = f"{key[1]} (baseline)" if key[1] == "adamw" else key[1]
+        assert f"| {key[0]} | {workload} | {name} | " in markdown
     # AdamW keeps two moments like the parameters, plus one 4-byte step count
     # (JAX) or one per parameter tensor (torch); SGD one momentum.
     counts = 1 if framework == "jax" else len(jax.tree.leaves(shapes))
@@ -499,7 +558,19 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     for framework in frameworks:
         assert (folder / f"{workload}-{framework}.png").stat().st_size > 1000
         assert f"({workload}-{framework}.png)" in markdown
+    # The winner is named, in the terminal and in the report.
+    best = min(runs.values(), key=lambda r: r["final_val_loss"])
+    winner = f"{workload} ({framework}): {best['optimizer']} has the lowest"
+    assert winner in out
+    assert f"- {winner}" in markdown
     assert "report written to" in out
+    # What the figures depend on is recorded: versions, CPU, cores, threads and
+    # the exact command.
+    env = document["environment"]
+    for key in ("precond", "numpy", framework, "python", "cpu", "cpu_count"):
+        assert env[key], key
+    assert env["threads"] == cli.available_cores()
+    assert document["config"]["command"].startswith("precond bench --frameworks")
 
 
 def test_sweep_and_seeds_select_the_best_mean(tmp_path, capsys):
@@ -644,7 +715,7 @@ def test_help_documents_every_flag(capsys):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, phrase, capsys):
-    if "torch" in argv and not cli._installed("torch"):
+    if "torch" in argv and not cli.module_installed("torch"):
         pytest.skip("torch is not installed")
     assert cli.main(["bench", *argv]) == 2
     captured = capsys.readouterr()
@@ -656,12 +727,12 @@ def test_bad_input_is_one_line_and_exit_2(argv, phrase, capsys):
 
 
 def _hide(monkeypatch, hidden: str) -> None:
-    real_find_spec = cli.importlib.util.find_spec
+    real_find_spec = importlib.util.find_spec
 
     def find_spec(name, *args):
         return None if name == hidden else real_find_spec(name, *args)
 
-    monkeypatch.setattr(cli.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
 
 
 def test_missing_framework_is_one_line(monkeypatch, capsys, tmp_path):
@@ -696,9 +767,6 @@ def test_no_command_prints_help_and_exits_2(capsys):
 
 
 def test_cli_import_does_not_import_frameworks():
-    import subprocess
-    import sys
-
     code = (
         "import sys, precond.bench.cli; "
         "print(any(m.split('.')[0] in ('jax', 'torch', 'sklearn', 'optax', "
@@ -708,3 +776,108 @@ def test_cli_import_does_not_import_frameworks():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "False"
+
+
+# ------------------------------------------------------- fresh machines, processes
+
+# Runs ``precond bench`` with the arguments after ``-c``'s code; with HIDE_TORCH
+# set, torch cannot be found or imported, as on a machine where only
+# '.[jax,bench]' is installed, and the run fails if anything imported it.
+RUN_BENCH = """
+import importlib.abc, os, sys
+
+class HideTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+if os.environ.get("HIDE_TORCH"):
+    sys.meta_path.insert(0, HideTorch())
+from precond.bench.cli import main
+status = main(sys.argv[1:])
+assert not os.environ.get("HIDE_TORCH") or "torch" not in sys.modules
+sys.exit(status)
+"""
+
+
+def _bench_process(argv, **env) -> subprocess.CompletedProcess:
+    """``precond bench ARGV`` in a new Python process with a clean XLA setup
+    (the suite's 8 simulated devices removed) and ``env`` added."""
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")
+    }
+    return subprocess.run(
+        [sys.executable, "-c", RUN_BENCH, "bench", *argv],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_without_torch_list_and_run_work(tmp_path):
+    listed = _bench_process(["--list"], HIDE_TORCH="1")
+    assert listed.returncode == 0, listed.stderr
+    assert "[torch (not installed)]" in listed.stdout
+    argv = ["--workloads", "digits-mlp", "--optimizers", "adamw", "--steps", "2"]
+    argv += ["--no-progress", "--no-plots", "--output", str(tmp_path / "out")]
+    run = _bench_process(argv, HIDE_TORCH="1")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines() == [
+        "precond bench: torch is not installed: skipping the torch workloads "
+        "(pip install 'precond[torch]' to run them)"
+    ]
+    document = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["framework"] for r in document["runs"]] == ["jax"]
+    assert "torch" not in document["environment"]
+
+
+# Fields that measure time (and so differ between runs), by JSON section.
+TIMING_FIELDS = {
+    "config": ("wall_s", "date", "command"),
+    "environment": ("load_average_1min",),
+    "summary": (
+        "median_step_ms",
+        "compile_s",
+        "train_s",
+        "time_to_target",
+        "time_ratio",
+        "val_loss_at_baseline_time",
+        "step_ratio",
+    ),
+    "runs": ("median_step_ms", "compile_s", "train_s", "step_ms"),
+}
+
+
+def _without_timings(document: dict) -> dict:
+    for section, fields in TIMING_FIELDS.items():
+        for entry in (
+            document[section] if section in ("summary", "runs") else [document[section]]
+        ):
+            for name in fields:
+                entry.pop(name)
+            for point in entry.get("history", []):
+                point.pop("time_s")
+    return document
+
+
+def test_same_command_gives_identical_numbers_in_new_processes(tmp_path):
+    """The same command twice, in processes with different hash seeds (as on
+    two invocations): every number of results.json but the timings is equal."""
+    frameworks = [f for f in ("jax", "torch") if cli.module_installed(f)]
+    argv = ["--frameworks", ",".join(frameworks), "--workloads", "digits-mlp"]
+    argv += ["--optimizers", "kron", "--steps", "4", "--batch-size", "32"]
+    argv += ["--no-progress", "--no-plots"]
+    documents = []
+    for hash_seed in ("1", "2"):
+        folder = tmp_path / hash_seed
+        run = _bench_process(
+            [*argv, "--output", str(folder)],
+            PYTHONHASHSEED=hash_seed,
+            JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # compiles faster (both runs alike)
+        )
+        assert run.returncode == 0, run.stderr
+        document = json.loads((folder / "results.json").read_text())
+        documents.append(_without_timings(document))
+    assert len(documents[0]["runs"]) == len(frameworks)
+    assert documents[0] == documents[1]

@@ -7,12 +7,17 @@ Steps to reach AdamW's loss (the definition used everywhere in the report): the
 target is the mean, over seeds, of AdamW's final validation loss (at its selected
 learning rate, same framework and workload). Each run's validation losses, scored
 on the whole validation split every ``eval_every`` steps, are joined by straight
-lines, and the first point where that curve is ≤ the target is the step (and,
-on the (training time, loss) curve, the time) to reach it. The losses are not
-smoothed: they are full-split evaluations, not noisy minibatch losses. Interpolation
-only refines the step between two evaluations. A run whose curve never reaches the
+lines, and the step (and, on the (training time, loss) curve, the time) to reach
+the target is the first point from which that curve stays ≤ the target to the
+end of the run (:func:`reached_and_stayed`): a transient dip below the target
+that rises above it again does not count. The losses are not smoothed: they are
+full-split evaluations, not noisy minibatch losses. Interpolation only refines
+the step between two evaluations. A run whose curve does not end at or below the
 target has "not reached". Over seeds, the mean is reported when every seed
 reached the target, else "not reached".
+
+The winner of a (framework, workload) is the optimizer with the lowest mean final
+validation loss (:func:`winners`).
 """
 
 from __future__ import annotations
@@ -25,31 +30,30 @@ from dataclasses import dataclass, field
 from precond.bench.runner import RunResult
 
 
-def first_crossing(
+def reached_and_stayed(
     xs: Sequence[float], losses: Sequence[float], target: float
 ) -> float | None:
-    """The first x where the piecewise-linear curve through (xs[i], losses[i]) is
-    ≤ ``target``, or None if it never is.
+    """The first x from which the piecewise-linear curve through (xs[i],
+    losses[i]) stays ≤ ``target`` up to xs[-1], or None if it ends above it.
 
-    ``xs`` must be increasing. Non-finite losses break the curve: a segment with a
-    non-finite end is skipped (its finite end still counts as a point).
+    ``xs`` must be increasing. A non-finite loss counts as above the target, and
+    no line is drawn to or from it: the curve stays below only from the next
+    finite point on.
     """
     if len(xs) != len(losses):
         raise ValueError(f"{len(xs)} x values but {len(losses)} losses")
     if not math.isfinite(target):
         return None
-    previous = None
-    for x, loss in zip(xs, losses, strict=True):
-        if math.isfinite(loss):
-            if loss <= target:
-                if previous is None or previous[1] == loss:
-                    return float(x)
-                x0, l0 = previous
-                return float(x0 + (x - x0) * (l0 - target) / (l0 - loss))
-            previous = (x, loss)
-        else:
-            previous = None
-    return None
+    below = [math.isfinite(v) and v <= target for v in losses]
+    if not below or not below[-1]:
+        return None
+    start = len(below) - 1
+    while start > 0 and below[start - 1]:
+        start -= 1
+    if start == 0 or not math.isfinite(losses[start - 1]):
+        return float(xs[start])
+    x0, x1, l0, l1 = xs[start - 1], xs[start], losses[start - 1], losses[start]
+    return float(x0 + (x1 - x0) * (l0 - target) / (l0 - l1))
 
 
 def value_at(xs: Sequence[float], losses: Sequence[float], x: float) -> float | None:
@@ -80,7 +84,11 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _std(values: Sequence[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
+    if len(values) < 2:
+        return 0.0
+    if not all(math.isfinite(v) for v in values):
+        return math.nan  # a diverged seed: no spread to speak of
+    return statistics.stdev(values)
 
 
 Key = tuple[str, str, str]  # (framework, workload, optimizer)
@@ -201,10 +209,10 @@ def summarize(results: Sequence[RunResult], baseline: str = "adamw") -> list[Sum
         row.target = base.val_loss if math.isfinite(base.val_loss) else None
         if row.target is not None:
             row.steps_to_target = _all_or_none(
-                [first_crossing(*_curve(r, "step"), row.target) for r in runs]
+                [reached_and_stayed(*_curve(r, "step"), row.target) for r in runs]
             )
             row.time_to_target = _all_or_none(
-                [first_crossing(*_curve(r, "time_s"), row.target) for r in runs]
+                [reached_and_stayed(*_curve(r, "time_s"), row.target) for r in runs]
             )
         row.steps_ratio = _ratio(row.steps_to_target, base.steps)
         row.time_ratio = _ratio(row.time_to_target, base.train_s)
@@ -218,3 +226,47 @@ def summarize(results: Sequence[RunResult], baseline: str = "adamw") -> list[Sum
         row.step_ratio = _ratio(row.median_step_ms, base.median_step_ms)
         row.state_ratio = _ratio(row.state_bytes, base.state_bytes)
     return list(rows.values())
+
+
+@dataclass(frozen=True)
+class Winner:
+    """The optimizer with the lowest mean final validation loss on a (framework,
+    workload), and the runner-up. ``within_spread``: with several seeds, the two
+    means are closer than the larger of their standard deviations, so the order
+    is not settled by these seeds."""
+
+    framework: str
+    workload: str
+    best: Summary
+    runner_up: Summary | None
+    within_spread: bool
+
+
+def ranked(rows: Sequence[Summary]) -> dict[tuple[str, str], list[Summary]]:
+    """The rows of each (framework, workload), lowest mean final validation loss
+    first (a non-finite loss last)."""
+    pairs = dict.fromkeys((r.framework, r.workload) for r in rows)
+    return {
+        pair: sorted(
+            (r for r in rows if (r.framework, r.workload) == pair),
+            key=lambda r: _score(r.val_loss),
+        )
+        for pair in pairs
+    }
+
+
+def winners(rows: Sequence[Summary]) -> list[Winner]:
+    """One :class:`Winner` per (framework, workload) of ``rows``, in order; a
+    non-finite (diverged) loss never wins over a finite one."""
+    found = []
+    for (framework, workload), ranked_rows in ranked(rows).items():
+        best = ranked_rows[0]
+        runner_up = ranked_rows[1] if len(ranked_rows) > 1 else None
+        within = (
+            runner_up is not None
+            and len(best.seeds) > 1
+            and abs(runner_up.val_loss - best.val_loss)
+            < max(best.val_loss_std, runner_up.val_loss_std)
+        )
+        found.append(Winner(framework, workload, best, runner_up, within))
+    return found

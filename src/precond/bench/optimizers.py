@@ -30,6 +30,15 @@ FRAMEWORKS = ("jax", "torch")
 BASELINE = "adamw"
 
 
+def module_installed(name: str) -> bool:
+    """Whether module ``name`` can be imported, found without importing it (for
+    a submodule, its parent packages are imported: name top-level modules)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """One benchmark optimizer.
@@ -72,7 +81,7 @@ class OptimizerSpec:
 
     def available(self) -> bool:
         """Whether the modules of ``requires`` are installed."""
-        return all(importlib.util.find_spec(m) is not None for m in self.requires)
+        return all(module_installed(m) for m in self.requires)
 
 
 class TorchOptimizer:
@@ -293,7 +302,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             "SGD-momentum; PyTorch only",
             default_lr=0.03,
             make_torch=_make_torch_kfac,
-            requires=("precond.torch.kfac",),
+            requires=("torch",),
         ),
         OptimizerSpec(
             name="adamw",

@@ -1,7 +1,9 @@
 """PNG plots of the validation loss vs steps and vs training time.
 
 One figure per (framework, workload): every optimizer at its selected learning rate,
-one line per seed, with the baseline's final loss as a dotted line. Uses
+one line per seed, with the baseline's final loss as a dotted line. The loss axis
+is logarithmic and spans every point, so every curve is visible from its start
+(ln 10 or ln 256) to its end, however far apart the optimizers finish. Uses
 matplotlib's non-interactive Agg backend; imports matplotlib when called.
 """
 
@@ -34,7 +36,7 @@ def plot_curves(
     for framework, workload in pairs:
         fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        lows, target = [], None
+        target = None
         members = [
             r for r in rows if (r.framework, r.workload) == (framework, workload)
         ]
@@ -51,26 +53,20 @@ def plot_curves(
                 style = {"color": colors[i % len(colors)], "lw": 1.4, "label": label}
                 by_step.plot(steps, losses, **style)
                 by_time.plot(times, losses, **style)
-                lows += [v for v in losses if v == v and v != float("inf")]
             if row.optimizer == baseline:
                 target = row.val_loss
         if target is not None and target == target:
             for ax in (by_step, by_time):
                 ax.axhline(target, color="gray", ls=":", lw=1)
-        if lows:
-            # Initial losses can dwarf the end of training: show from the lowest
-            # loss to a little above the median of all points.
-            low, mid = min(lows), sorted(lows)[len(lows) // 2]
-            top = max(mid + (mid - low) * 1.5, low * 1.05 + 1e-3)
-            by_step.set_ylim(low - 0.05 * (top - low), top)
         by_step.set_xlabel("step")
         by_time.set_xlabel("training time (s)")
-        by_step.set_ylabel("validation loss")
+        by_step.set_ylabel("validation loss (log scale)")
         by_step.set_title(f"{workload} ({framework})", fontsize=10)
         by_time.set_title(f"dotted: {baseline}'s final loss", fontsize=9)
         by_step.legend(fontsize=8)
         for ax in (by_step, by_time):
-            ax.grid(alpha=0.3)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3, which="both")
         fig.tight_layout()
         name = f"{workload}-{framework}.png"
         fig.savefig(os.path.join(folder, name), dpi=80)

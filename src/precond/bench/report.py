@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from precond.bench.analysis import Summary
+from precond.bench.analysis import Summary, Winner, ranked, winners
 from precond.bench.runner import RunResult
 
 JSON_SCHEMA_VERSION = 2
@@ -26,6 +26,7 @@ COLUMNS = (
     ("framework", False),
     ("workload", False),
     ("optimizer", False),
+    ("rank", True),
     ("lr", True),
     ("val loss", True),
     ("val acc", True),
@@ -68,12 +69,15 @@ def _loss(row: Summary) -> str:
     return text
 
 
-def table_cells(row: Summary) -> list[str]:
-    """The cells of one row of :data:`COLUMNS`."""
+def table_cells(row: Summary, rank: int, baseline: str) -> list[str]:
+    """The cells of one row of :data:`COLUMNS`; ``rank`` 1 is the lowest final
+    validation loss of its (framework, workload), and the baseline is marked."""
+    name = f"{row.optimizer} (baseline)" if row.optimizer == baseline else row.optimizer
     return [
         row.framework,
         row.workload,
-        row.optimizer,
+        name,
+        str(rank),
         f"{row.learning_rate:g}",
         _loss(row),
         _number(100 * row.val_accuracy, ".1f") + "%",
@@ -91,6 +95,43 @@ def _headers(baseline: str) -> list[str]:
     return [h.replace("base", baseline) for h, _ in COLUMNS]
 
 
+def _table_rows(rows: Sequence[Summary], baseline: str) -> list[list[str]]:
+    """The cells of every row, in the order of ``rows``."""
+    rank = {
+        id(row): i + 1 for group in ranked(rows).values() for i, row in enumerate(group)
+    }
+    return [table_cells(row, rank[id(row)], baseline) for row in rows]
+
+
+def _loss_with_spread(row: Summary) -> str:
+    text = _number(row.val_loss, ".4g")
+    if len(row.seeds) > 1 and math.isfinite(row.val_loss):
+        text += f" ± {row.val_loss_std:.2g}"
+    return text
+
+
+def winner_line(winner: Winner, baseline: str) -> str:
+    """One sentence naming the optimizer with the lowest mean final validation
+    loss of a (framework, workload), the runner-up, and the baseline's figure."""
+    best, runner_up = winner.best, winner.runner_up
+    text = (
+        f"{winner.workload} ({winner.framework}): {best.optimizer} has the lowest "
+        f"final validation loss, {_loss_with_spread(best)}"
+    )
+    if len(best.seeds) > 1:
+        text = text.replace("final validation loss,", "mean final validation loss,")
+    if runner_up is not None:
+        text += f"; runner-up {runner_up.optimizer}, {_loss_with_spread(runner_up)}"
+        if winner.within_spread:
+            text += " (within the seeds' spread: not a settled order)"
+    return text + "."
+
+
+def format_winners(rows: Sequence[Summary], baseline: str = "adamw") -> str:
+    """One :func:`winner_line` per (framework, workload)."""
+    return "\n".join(winner_line(w, baseline) for w in winners(rows))
+
+
 def format_table(rows: Sequence[Summary], baseline: str = "adamw") -> str:
     """A plain-text table, one row per optimizer at its selected rate.
 
@@ -101,7 +142,7 @@ def format_table(rows: Sequence[Summary], baseline: str = "adamw") -> str:
     baseline, optimizer-state bytes and their ratio, JAX compile time.
     """
     headers = _headers(baseline)
-    cells = [table_cells(row) for row in rows]
+    cells = _table_rows(rows, baseline)
     widths = [
         max([len(headers[i])] + [len(c[i]) for c in cells]) for i in range(len(headers))
     ]
@@ -152,16 +193,26 @@ def format_markdown(
         out += ["", "**Interrupted**: only the runs that finished are reported."]
     out += [
         "",
+        "## Winners",
+        "",
+        "Lowest final validation loss of each workload (mean ± standard deviation "
+        "over seeds where there are several):",
+        "",
+        *(f"- {winner_line(w, baseline)}" for w in winners(rows)),
+        "",
         "## Summary",
         "",
         f"Each optimizer at its selected learning rate (lowest mean final "
-        f"validation loss over the seeds of its sweep). 'steps/time to {baseline}': "
-        f"the first step (training second) at which the validation loss, "
-        f"evaluated on the whole validation split and joined linearly between "
-        f"evaluations, is ≤ {baseline}'s final validation loss, and in parentheses "
-        f"its ratio to {baseline}'s steps (seconds); 'not reached' if it never is.",
+        f"validation loss over the seeds of its sweep); rank 1 has the lowest "
+        f"final validation loss of its workload. 'steps/time to {baseline}': the "
+        f"first step (training second) from which the validation loss, evaluated "
+        f"on the whole validation split and joined linearly between evaluations, "
+        f"stays ≤ {baseline}'s final validation loss to the end of the run (a "
+        f"transient dip below it does not count), and in parentheses its ratio to "
+        f"{baseline}'s steps (seconds); 'not reached' if the run does not end "
+        f"at or below it.",
         "",
-        _markdown_table(_headers(baseline), [table_cells(r) for r in rows]),
+        _markdown_table(_headers(baseline), _table_rows(rows, baseline)),
         "",
         f"## Equal steps and equal time vs {baseline}",
         "",

@@ -419,36 +419,3 @@ def run_jax(
         param_bytes=tree_nbytes(state["params"]),
         state_bytes=tree_nbytes(state["opt_state"]),
     )
-
-
-def environment(frameworks: tuple[str, ...] = ("jax",)) -> dict[str, Any]:
-    """Versions and device of this process, recorded beside the results."""
-    import os
-    import platform
-
-    from precond import __version__
-
-    env: dict[str, Any] = {
-        "precond": __version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-    }
-    if "jax" in frameworks:
-        import jax
-        import optax
-
-        device = jax.devices()[0]
-        env |= {
-            "jax": jax.__version__,
-            "optax": optax.__version__,
-            "backend": jax.default_backend(),
-            "device": getattr(device, "device_kind", str(device)),
-            "device_count": jax.device_count(),
-        }
-    if "torch" in frameworks:
-        import torch
-
-        env |= {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
-    return env
