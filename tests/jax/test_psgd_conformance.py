@@ -77,18 +77,38 @@ def _step_fn(name, newton, optimizer, loss):
     return step
 
 
-def _train(name, newton, optimizer, loss, params, steps, seed=0):
-    step = _step_fn(name, newton, optimizer, loss)
-
-    def body(carry, key):
-        params, state = carry
-        params, state = step(params, state, key)
-        return (params, state), loss(params)
-
+def _trainer(name, newton, make_optimizer, loss, steps, seed=0):
+    """A jitted (params, learning rate) ↦ (params, losses) after ``steps`` steps of
+    ``make_optimizer(learning rate)``: the rate is traced, so one compile serves a
+    whole learning-rate sweep."""
     keys = jax.random.split(jax.random.PRNGKey(seed), steps)
-    run = jax.jit(lambda p: jax.lax.scan(body, (p, optimizer.init(p)), keys))
-    (params, _), losses = run(params)
-    return params, losses
+
+    def run(params, learning_rate):
+        optimizer = make_optimizer(learning_rate)
+        step = _step_fn(name, newton, optimizer, loss)
+
+        def body(carry, key):
+            params, state = carry
+            params, state = step(params, state, key)
+            return (params, state), loss(params)
+
+        (params, _), losses = jax.lax.scan(body, (params, optimizer.init(params)), keys)
+        return params, losses
+
+    return jax.jit(run)
+
+
+def _train(name, newton, optimizer, loss, params, steps, seed=0):
+    return _trainer(name, newton, lambda _: optimizer, loss, steps, seed)(params, 0.0)
+
+
+def _cosine_trainer(name, newton, loss, steps):
+    """``_trainer`` of the optimizer with a cosine decay from the rate over steps."""
+
+    def make_optimizer(learning_rate):
+        return _make(name, newton, optax.cosine_decay_schedule(learning_rate, steps))
+
+    return _trainer(name, newton, make_optimizer, loss, steps)
 
 
 def _spd(rng, d, condition):
@@ -146,32 +166,39 @@ ADAM_LEARNING_RATES = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003)
 NOISY_STEPS, WINDOW = 300, 50
 
 
-def _noisy_final_loss(name, newton, optimizer, structure):
-    """Mean exact loss over the last 50 of 300 steps on noisy gradients."""
+def _noisy_run(name, newton, make_optimizer, structure):
+    """A jitted learning rate ↦ mean exact loss over the last 50 of 300 steps of
+    ``make_optimizer(learning rate)`` on noisy gradients (one compile per sweep)."""
     loss, noisy_loss, x0 = _quadratic(structure)
     keys = jax.random.split(jax.random.PRNGKey(1), NOISY_STEPS)
-
-    def body(carry, inputs):
-        params, state = carry
-        step_key, noise_key = inputs
-        step = _step_fn(name, newton, optimizer, lambda p: noisy_loss(p, noise_key))
-        params, state = step(params, state, step_key)
-        return (params, state), loss(params)
-
     noise_keys = jax.random.split(jax.random.PRNGKey(2), NOISY_STEPS)
-    run = jax.jit(
-        lambda p: jax.lax.scan(body, (p, optimizer.init(p)), (keys, noise_keys))
-    )
-    _, losses = run(x0)
-    return float(jnp.mean(losses[-WINDOW:]))
+
+    def run(learning_rate):
+        optimizer = make_optimizer(learning_rate)
+
+        def body(carry, inputs):
+            params, state = carry
+            step_key, noise_key = inputs
+            noisy = lambda p: noisy_loss(p, noise_key)  # noqa: E731
+            step = _step_fn(name, newton, optimizer, noisy)
+            params, state = step(params, state, step_key)
+            return (params, state), loss(params)
+
+        init = (x0, optimizer.init(x0))
+        _, losses = jax.lax.scan(body, init, (keys, noise_keys))
+        return jnp.mean(losses[-WINDOW:])
+
+    return jax.jit(run)
+
+
+def _noisy_final_loss(name, newton, optimizer, structure):
+    return float(_noisy_run(name, newton, lambda _: optimizer, structure)(0.0))
 
 
 @functools.cache
 def _adam_noisy_loss(structure):
-    return min(
-        _noisy_final_loss("adam", False, optax.adam(lr), structure)
-        for lr in ADAM_LEARNING_RATES
-    )
+    run = _noisy_run("adam", False, optax.adam, structure)
+    return min(float(run(lr)) for lr in ADAM_LEARNING_RATES)
 
 
 @pytest.mark.parametrize(("name", "newton"), CASES)
@@ -181,15 +208,13 @@ def test_beats_adam_on_noisy_ill_conditioned_quadratic(name, newton):
     Adam's diagonal cannot."""
     structure = STRUCTURE[name.split("-")[0]]
     loss, _, x0 = _quadratic(structure)
-    finals = {
-        lr: _noisy_final_loss(
-            name,
-            newton,
-            _make(name, newton, optax.cosine_decay_schedule(lr, NOISY_STEPS)),
-            structure,
-        )
-        for lr in LEARNING_RATES
-    }
+    run = _noisy_run(
+        name,
+        newton,
+        lambda lr: _make(name, newton, optax.cosine_decay_schedule(lr, NOISY_STEPS)),
+        structure,
+    )
+    finals = {lr: float(run(lr)) for lr in LEARNING_RATES}
     best, adam = min(finals.values()), _adam_noisy_loss(structure)
     assert best < float(loss(x0)) / 50, finals
     assert best < adam, (finals, adam)
@@ -199,10 +224,9 @@ def test_beats_adam_on_noisy_ill_conditioned_quadratic(name, newton):
 def test_converges_on_deterministic_ill_conditioned_quadratic(name, newton):
     """1e-4 of the initial loss within 2000 steps, for one rate of the sweep."""
     loss, _, x0 = _quadratic(STRUCTURE[name.split("-")[0]])
-    finals = {}
+    train, finals = _cosine_trainer(name, newton, loss, 2000), {}
     for lr in LEARNING_RATES:
-        optimizer = _make(name, newton, optax.cosine_decay_schedule(lr, 2000))
-        finals[lr] = float(_train(name, newton, optimizer, loss, x0, 2000)[1][-1])
+        finals[lr] = float(train(x0, lr)[1][-1])
         if finals[lr] < 1e-4 * float(loss(x0)):
             return
     pytest.fail(f"no learning rate reached 1e-4 of the initial loss: {finals}")
@@ -223,10 +247,9 @@ def test_converges_on_rosenbrock(name, newton):
         return (1 - x) ** 2 + 100 * (y - x**2) ** 2
 
     params = {"xy": jnp.array([[-1.5], [2.0]])}
-    steps, ends = 2000, {}
+    train, ends = _cosine_trainer(name, newton, rosenbrock, 2000), {}
     for lr in (1.0, 0.3, 0.1) if newton else (0.1, 0.03, 0.01):
-        optimizer = _make(name, newton, optax.cosine_decay_schedule(lr, steps))
-        params_out, _ = _train(name, newton, optimizer, rosenbrock, params, steps)
+        params_out, _ = train(params, lr)
         ends[lr] = params_out["xy"][:, 0].tolist()
         if np.allclose(params_out["xy"], 1.0, atol=1e-3):
             return
