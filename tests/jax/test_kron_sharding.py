@@ -5,6 +5,8 @@ Float64 runs agree to 1e-10: sharding changes only the order of a few reductions
 each unit is fitted whole on one device and the noise is keyed by unit identity.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +86,16 @@ def _unsharded(grads, **kwargs):
     return _run(pj.scale_by_kron(**KWARGS, **kwargs), grads)
 
 
+@functools.cache
+def _unsharded_float64(lax_map):
+    """5 float64 steps on one device: the reference of every float64 sharded run
+    (whatever the mesh and specs), computed once per worker."""
+    with float64():
+        grads = _grads(5, jnp.float64)
+        kwargs = dict(precond_dtype=jnp.float64, lax_map_scanned_layers=lax_map)
+        return grads, *_unsharded(grads, **kwargs)
+
+
 def _assert_close(got, want, rtol, atol):
     for got_step, want_step in zip(got, want, strict=True):
         for k in SHAPES:
@@ -99,13 +111,12 @@ def test_sharded_equals_unsharded_float64(
     mesh_name, preconditioner_partition_spec, lax_map
 ):
     mesh, specs = _mesh(mesh_name), PLACEMENTS[mesh_name]
+    grads, want, want_state = _unsharded_float64(lax_map)
     with float64():
-        grads = _grads(5, jnp.float64)
-        kwargs = dict(precond_dtype=jnp.float64, lax_map_scanned_layers=lax_map)
-        want, want_state = _unsharded(grads, **kwargs)
         optimizer = pj.scale_by_kron(
             **KWARGS,
-            **kwargs,
+            precond_dtype=jnp.float64,
+            lax_map_scanned_layers=lax_map,
             params_partition_specs=specs,
             preconditioner_partition_spec=preconditioner_partition_spec,
         )
@@ -139,11 +150,10 @@ def test_sharded_equals_unsharded_float32():
 def test_explicit_mesh_needs_no_spec_arguments():
     """On an explicit mesh the shardings come from the params' types."""
     mesh, specs = _mesh("fsdp,tp", AxisType.Explicit), PLACEMENTS["fsdp,tp"]
+    grads, want, _ = _unsharded_float64(False)  # lax_map_scanned_layers: default
+    grads, want = grads[:3], want[:3]
     with float64():
-        grads = _grads(3, jnp.float64)
-        kwargs = dict(precond_dtype=jnp.float64)
-        want, _ = _unsharded(grads, **kwargs)
-        optimizer = pj.scale_by_kron(**KWARGS, **kwargs)
+        optimizer = pj.scale_by_kron(**KWARGS, precond_dtype=jnp.float64)
         with jax.set_mesh(mesh):
             put = lambda t: _put(t, mesh, specs)  # noqa: E731
             abstract = jax.eval_shape(optimizer.init, put(_zeros(jnp.float64)))
