@@ -531,7 +531,9 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
         assert run["final_val_accuracy"] == final["val_accuracy"]
         assert run["final_train_loss"] == pytest.approx(np.mean(run["minibatch_loss"]))
         assert run["train_s"] == pytest.approx(sum(run["step_ms"]) / 1e3, rel=1e-6)
-        assert run["learning_rate"] == OPTIMIZERS[key[1]].learning_rate(workload)
+        assert run["learning_rate"] == OPTIMIZERS[key[1]].learning_rate(
+            workload, framework
+        )
         assert run["param_bytes"] == jax_params
         assert run["state_bytes"] > 0
         assert (run["compile_s"] is None) == (key[0] == "torch")
@@ -570,6 +572,11 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     for key in ("precond", "numpy", framework, "python", "cpu", "cpu_count"):
         assert env[key], key
     assert env["threads"] == cli.available_cores()
+    if framework == "torch":
+        assert env["torch_threads"] == env["threads"]
+        assert env["torch_interop_threads"] >= 1
+    else:  # jax started before the bench (tests/conftest.py): its pool stays
+        assert env["xla_pool_threads"] == os.environ["PJRT_NPROC"]
     assert document["config"]["command"].startswith("precond bench --frameworks")
 
 
@@ -649,11 +656,15 @@ def test_devices_shard_the_jax_batch(tmp_path, capsys):
 def test_list_names_every_workload_and_optimizer(capsys):
     assert cli.main(["bench", "--list"]) == 0
     out = capsys.readouterr().out
+    lines = out.splitlines()
     for name, spec in OPTIMIZERS.items():
-        assert any(
-            line.split()[:3] == [name, "lr", f"{spec.default_lr:g}"]
-            for line in out.splitlines()
-        )
+        (at,) = [i for i, line in enumerate(lines) if line.split()[:1] == [name]]
+        # Its tuned rate on every workload, in each of its frameworks.
+        for offset, framework in enumerate(spec.frameworks(), start=1):
+            rates = ", ".join(
+                f"{w} {spec.learning_rate(w, framework):g}" for w in WORKLOADS
+            )
+            assert lines[at + offset].split() == [framework, "lr:", *rates.split()]
     for name, workload in WORKLOADS.items():
         assert any(
             line.split()[:3] == [name, str(workload.steps), "steps,"]
@@ -818,7 +829,7 @@ def _bench_process(argv, **env) -> subprocess.CompletedProcess:
 def test_without_torch_list_and_run_work(tmp_path):
     listed = _bench_process(["--list"], HIDE_TORCH="1")
     assert listed.returncode == 0, listed.stderr
-    assert "[torch (not installed)]" in listed.stdout
+    assert "PyTorch only (not installed)" in listed.stdout
     argv = ["--workloads", "digits-mlp", "--optimizers", "adamw", "--steps", "2"]
     argv += ["--no-progress", "--no-plots", "--output", str(tmp_path / "out")]
     run = _bench_process(argv, HIDE_TORCH="1")

@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--list",
         action="store_true",
-        help="list the workloads and optimizers (with default learning rates), exit",
+        help="list the workloads and optimizers (with their learning rates), exit",
     )
     return parser
 
@@ -355,15 +355,12 @@ def _format_list() -> str:
         )
     lines.append("optimizers:")
     for s in OPTIMIZERS.values():
-        per_workload = ", ".join(f"{k} {v:g}" for k, v in s.workload_lr.items())
-        note = f" ({per_workload})" if per_workload else ""
-        frameworks = ",".join(s.frameworks())
-        if not s.available():
-            frameworks += " (not installed)"
-        lines.append(
-            f"  {s.name:<{width}}  lr {s.default_lr:g}{note}  [{frameworks}]  "
-            f"{s.description}"
-        )
+        installed = "" if s.available() else " (not installed)"
+        lines.append(f"  {s.name:<{width}}  {s.description}{installed}")
+        for framework in s.frameworks():
+            rates = s.learning_rates[framework]
+            per_workload = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+            lines.append(f"  {'':<{width}}  {framework} lr: {per_workload}")
     return "\n".join(lines)
 
 

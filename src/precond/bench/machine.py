@@ -40,15 +40,16 @@ def configure_threads(
 ) -> dict[str, int]:
     """Gives JAX and torch ``threads`` intra-op threads each; returns what was set.
 
-    Call before JAX's CPU backend starts (XLA reads ``PJRT_NPROC`` once). With
-    ``devices`` > 1 simulated JAX devices, XLA's pool is left as
-    :func:`precond._common.xla_workarounds.simulate_cpu_devices` sized it.
+    Call before JAX is imported: XLA reads ``PJRT_NPROC`` once, when its CPU
+    backend starts; afterwards, and with ``devices`` > 1 simulated JAX devices
+    (:func:`precond._common.xla_workarounds.simulate_cpu_devices` sizes the pool
+    for them), XLA's pool is left as it is (:func:`environment` records it).
     """
     for name in POOL_SIZE_VARIABLES:
         os.environ[name] = str(threads)
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     settings = {"threads": threads, "openblas_threads": 1}
-    if "jax" in frameworks and devices == 1:
+    if "jax" in frameworks and devices == 1 and "jax" not in sys.modules:
         os.environ[XLA_POOL_VARIABLE] = str(threads)
     if "torch" in frameworks:
         import torch

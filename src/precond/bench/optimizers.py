@@ -46,23 +46,21 @@ class OptimizerSpec:
     Attributes:
         name: registry key, used on the command line.
         description: one line for ``precond bench --list``.
-        default_lr: peak learning rate used unless overridden (``--lr name=value``)
-            or given for the workload in ``workload_lr``.
         make: (learning_rate, weight_decay) ↦ optax transformation, or None when
             there is no JAX version.
         make_torch: (model, learning_rate, weight_decay) ↦ :class:`TorchOptimizer`,
             or None when there is no PyTorch version.
-        workload_lr: default peak learning rate per workload name.
+        learning_rates: framework ↦ workload ↦ peak learning rate, from
+            :data:`LEARNING_RATES` (``--lr name=value`` overrides it).
         requires: modules that must be importable for the PyTorch factory.
         default: run by a bare ``precond bench`` (others only when named).
     """
 
     name: str
     description: str
-    default_lr: float
     make: Callable[[Any, float], Any] | None = None
     make_torch: Callable[[Any, float, float], TorchOptimizer] | None = None
-    workload_lr: dict[str, float] = field(default_factory=dict)
+    learning_rates: dict[str, dict[str, float]] = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     default: bool = True
 
@@ -75,9 +73,9 @@ class OptimizerSpec:
             found.append("torch")
         return tuple(found)
 
-    def learning_rate(self, workload: str) -> float:
-        """The default peak learning rate on ``workload``."""
-        return self.workload_lr.get(workload, self.default_lr)
+    def learning_rate(self, workload: str, framework: str) -> float:
+        """The tuned peak learning rate on ``workload`` in ``framework``."""
+        return self.learning_rates[framework][workload]
 
     def available(self) -> bool:
         """Whether the modules of ``requires`` are installed."""
@@ -274,6 +272,29 @@ def _make_torch_kfac(model, lr: float, weight_decay: float) -> TorchOptimizer:
 KFAC_DAMPING = 0.003
 
 
+# Peak learning rate of each optimizer, per framework and workload (each
+# workload's own step budget, cosine schedule, weight decay 1e-4, seed 0): the
+# lowest final validation loss of
+#   precond bench --frameworks jax --lr-sweep 0.3,1,3 --no-plots
+#   precond bench --frameworks torch --lr-sweep 0.3,1,3 --no-plots
+# around the previous rates (2026-11-24), extended with `--lr NAME=RATE` past an
+# edge where the best rate was one (BENCHMARKS.md, "Learning rates"). The two
+# frameworks' models start from different random weights, and Kron's best digits
+# rates differ between them. `--lr-sweep` re-derives the table around these rates.
+_BOTH = ("jax", "torch")
+LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
+    "kron": {
+        "jax": {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 9e-3},
+        "torch": {"digits-mlp": 9e-4, "digits-cnn": 9e-4, "char-lm": 9e-3},
+    },
+    "shampoo": {"jax": {"digits-mlp": 3e-4, "digits-cnn": 1e-4, "char-lm": 1e-3}},
+    "kfac": {"torch": {"digits-mlp": 1e-3, "digits-cnn": 1e-3, "char-lm": 0.09}},
+    "adamw": {
+        f: {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 1e-2} for f in _BOTH
+    },
+    "sgd": {f: {"digits-mlp": 0.03, "digits-cnn": 0.03, "char-lm": 0.3} for f in _BOTH},
+}
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec
     for spec in (
@@ -281,45 +302,41 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             name="kron",
             description="PSGD Kron (precond.jax.kron / precond.torch.Kron), "
             "preconditioner_update_style='QUAD', other arguments default",
-            default_lr=3e-3,
             make=_make_kron,
             make_torch=_make_torch_kron,
-            workload_lr={"char-lm": 3e-3},
+            learning_rates=LEARNING_RATES["kron"],
         ),
         OptimizerSpec(
             name="shampoo",
             description="Distributed Shampoo (precond.jax.distributed_shampoo), "
             "block 128, RMSProp-normalized grafting, β2 0.95, eigh roots every "
             "10 steps, decoupled weight decay",
-            # A sweep of 0.3×/1×/3× 3e-3 on char-lm chose 9e-4 (BENCHMARKS.md).
-            default_lr=1e-3,
             make=_make_bench_shampoo,
+            learning_rates=LEARNING_RATES["shampoo"],
         ),
         OptimizerSpec(
             name="kfac",
             description="K-FAC (precond.torch.kfac.KFAC, damping "
             f"{KFAC_DAMPING:g}, inverses every 10 steps) preconditioning "
             "SGD-momentum; PyTorch only",
-            default_lr=0.03,
             make_torch=_make_torch_kfac,
+            learning_rates=LEARNING_RATES["kfac"],
             requires=("torch",),
         ),
         OptimizerSpec(
             name="adamw",
             description="AdamW (optax.adamw / torch.optim.AdamW), β=(0.9, 0.999), "
             "ε=1e-8",
-            default_lr=3e-3,
             make=_make_adamw,
             make_torch=_make_torch_adamw,
-            workload_lr={"char-lm": 1e-2},
+            learning_rates=LEARNING_RATES["adamw"],
         ),
         OptimizerSpec(
             name="sgd",
             description="SGD, Nesterov momentum 0.9, decoupled weight decay",
-            default_lr=0.03,
             make=_make_sgd,
             make_torch=_make_torch_sgd,
-            workload_lr={"char-lm": 0.3},
+            learning_rates=LEARNING_RATES["sgd"],
         ),
     )
 }

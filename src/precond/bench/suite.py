@@ -73,7 +73,7 @@ def plan(
                     continue
                 peak = (lr_overrides or {}).get(spec.name)
                 if peak is None:
-                    peak = spec.learning_rate(workload.name)
+                    peak = spec.learning_rate(workload.name, framework)
                 for multiplier in lr_multipliers:
                     for seed in seeds:
                         jobs.append(
