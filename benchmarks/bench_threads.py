@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from precond.bench.optimizers import OPTIMIZERS
+
 # Runs ``precond bench`` with argv[2:] in a process where the top-level module
 # argv[1] (if not "-") can be neither found nor imported.
 RUN_HIDING = """
@@ -69,20 +71,36 @@ def run_bench(hidden: str, argv: Sequence[str]) -> dict[str, Any]:
         return json.loads((out / "results.json").read_text())
 
 
+def optimizers_of(names: str | None, frameworks: Sequence[str]) -> list[str]:
+    """``--optimizers NAMES`` for a run of ``frameworks`` (names that exist in none
+    of them left out), or nothing for the suite's default."""
+    if not names:
+        return []
+    kept = [
+        name
+        for name in names.split(",")
+        if set(OPTIMIZERS[name].frameworks()) & set(frameworks)
+    ]
+    return ["--optimizers", ",".join(kept)]
+
+
 def modes(args: argparse.Namespace) -> dict[str, list[tuple[str, list[str]]]]:
     """Each mode: the (hidden module, argv) of its processes."""
     common = ["--steps", str(args.steps), "--no-progress", "--no-plots"]
     if args.workloads:
         common += ["--workloads", args.workloads]
-    found: dict[str, list[tuple[str, list[str]]]] = {
-        "alone": [(OTHER[f], ["--frameworks", f, *common]) for f in ("jax", "torch")],
-        "together": [("-", ["--frameworks", "jax,torch", *common])],
+
+    def alone(framework: str, *extra: str) -> tuple[str, list[str]]:
+        names = optimizers_of(args.optimizers, [framework])
+        return OTHER[framework], ["--frameworks", framework, *extra, *common, *names]
+
+    both = optimizers_of(args.optimizers, ["jax", "torch"])
+    found = {
+        "alone": [alone("jax"), alone("torch")],
+        "together": [("-", ["--frameworks", "jax,torch", *common, *both])],
     }
     if args.compare_threads:
-        found["threads=1"] = [
-            (OTHER[f], ["--frameworks", f, "--threads", "1", *common])
-            for f in ("jax", "torch")
-        ]
+        found["threads=1"] = [alone(f, "--threads", "1") for f in ("jax", "torch")]
     return found
 
 
@@ -150,6 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of all modes")
     parser.add_argument("--workloads", help="comma-separated (default: all)")
+    parser.add_argument("--optimizers", help="comma-separated (default: the suite's)")
     parser.add_argument(
         "--compare-threads",
         action="store_true",
