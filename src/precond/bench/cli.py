@@ -581,7 +581,7 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     if rows:
         print(format_table(rows, baseline=BASELINE))
-        print(format_winners(rows, baseline=BASELINE))
+        print(format_winners(rows))
 
     os.makedirs(output, exist_ok=True)
     plots = []

@@ -110,9 +110,9 @@ def _loss_with_spread(row: Summary) -> str:
     return text
 
 
-def winner_line(winner: Winner, baseline: str) -> str:
+def winner_line(winner: Winner) -> str:
     """One sentence naming the optimizer with the lowest mean final validation
-    loss of a (framework, workload), the runner-up, and the baseline's figure."""
+    loss of a (framework, workload) and the runner-up."""
     best, runner_up = winner.best, winner.runner_up
     text = (
         f"{winner.workload} ({winner.framework}): {best.optimizer} has the lowest "
@@ -127,9 +127,9 @@ def winner_line(winner: Winner, baseline: str) -> str:
     return text + "."
 
 
-def format_winners(rows: Sequence[Summary], baseline: str = "adamw") -> str:
+def format_winners(rows: Sequence[Summary]) -> str:
     """One :func:`winner_line` per (framework, workload)."""
-    return "\n".join(winner_line(w, baseline) for w in winners(rows))
+    return "\n".join(winner_line(w) for w in winners(rows))
 
 
 def format_table(rows: Sequence[Summary], baseline: str = "adamw") -> str:
@@ -198,7 +198,7 @@ def format_markdown(
         "Lowest final validation loss of each workload (mean ± standard deviation "
         "over seeds where there are several):",
         "",
-        *(f"- {winner_line(w, baseline)}" for w in winners(rows)),
+        *(f"- {winner_line(w)}" for w in winners(rows)),
         "",
         "## Summary",
         "",
