@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -343,6 +344,31 @@ def test_state_dict_round_trip_continues_bit_identically(dtype, kwargs):
     _assert_state_equal(restored_opt.state_dict(), optimizer.state_dict())
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_optimizer_steps_like_the_original(how):
+    """A deepcopy or pickle round trip (of model and optimizer together, as a
+    training loop's snapshot) after 3 steps, with a non-default seed: the copy's
+    next 4 steps are bit-identical to the original's."""
+    model = _model(torch.float32)
+    optimizer = Kron(
+        model.parameters(), lr=0.01, seed=7, preconditioner_update_probability=0.5
+    )
+    _train(model, optimizer, 3, start=0)
+    if how == "deepcopy":
+        model_copy, optimizer_copy = copy.deepcopy((model, optimizer))
+    else:
+        model_copy, optimizer_copy = pickle.loads(pickle.dumps((model, optimizer)))
+    assert (optimizer_copy.seed, type(optimizer_copy.strategy)) == (
+        7,
+        type(optimizer.strategy),
+    )
+    _train(model, optimizer, 4, start=3)
+    _train(model_copy, optimizer_copy, 4, start=3)
+    for p, q in zip(model.parameters(), model_copy.parameters(), strict=True):
+        assert torch.equal(p, q)
+    _assert_state_equal(optimizer_copy.state_dict(), optimizer.state_dict())
+
+
 def test_state_dict_with_default_schedule_can_be_saved():
     """The default update-probability schedule lives in the param groups, so
     ``torch.save(optimizer.state_dict())`` must be able to pickle it."""
@@ -431,6 +457,11 @@ BAD_ARGUMENTS = [
         r"Invalid merge_small_dims=1: must be one of True, False",
     ),
     (dict(seed=1.5), TypeError, r"Invalid seed=1.5: must be a Python int"),
+    (
+        dict(strategy="ddp"),
+        TypeError,
+        r"Invalid strategy='ddp': must be None or a precond.torch.Strategy",
+    ),
 ]
 
 
@@ -447,7 +478,7 @@ def test_bad_hyperparameters_name_argument_value_and_range(kwargs, error, messag
     params = make_params([(3,)])
     with pytest.raises(error, match=message):
         Kron(params, **kwargs)
-    if "seed" not in kwargs:  # seed is optimizer-wide, the rest per group
+    if not kwargs.keys() & {"seed", "strategy"}:  # optimizer-wide; the rest per group
         optimizer = Kron(params)
         with pytest.raises(error, match=message):
             optimizer.add_param_group({"params": make_params([(2,)]), **kwargs})

@@ -126,6 +126,14 @@ def unit_noise(shape, seed: int, step: int, index: int, dtype, device) -> torch.
     return torch.randn(shape, generator=generator, dtype=dtype, device=device)
 
 
+def _factor_update(compile_kernels: bool) -> Callable:
+    """The fit, ``torch.compile``'d if asked: one compile per stack shape, then
+    fused code (compiling the preconditioning, batched matmuls, gains nothing)."""
+    if compile_kernels:
+        return torch.compile(km.update_factors, dynamic=False)
+    return km.update_factors
+
+
 class Kron(torch.optim.Optimizer):
     """PSGD Kron with kron-torch's arguments and defaults.
 
@@ -242,14 +250,31 @@ class Kron(torch.optim.Optimizer):
         )
         check_int("seed", seed)
         check_choice("compile_kernels", compile_kernels, (True, False))
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(
+                f"Invalid strategy={strategy!r}: must be None or a "
+                "precond.torch.Strategy (Replicated() or ShardedPreconditioning())"
+            )
         self.seed = seed
         self.strategy = strategy or Replicated()
-        # The fit, torch.compile'd: one compile per stack shape, then fused code
-        # (compiling the preconditioning, batched matmuls, gains nothing).
-        self._update_factors = km.update_factors
-        if compile_kernels:
-            self._update_factors = torch.compile(km.update_factors, dynamic=False)
+        self.compile_kernels = compile_kernels
+        self._update_factors = _factor_update(compile_kernels)
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, groups) plus the seed, the strategy and
+        ``compile_kernels``, so that ``copy.deepcopy`` and ``pickle`` give an
+        optimizer that steps exactly like this one."""
+        return {
+            **super().__getstate__(),
+            "seed": self.seed,
+            "strategy": self.strategy,
+            "compile_kernels": self.compile_kernels,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._update_factors = _factor_update(self.compile_kernels)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
