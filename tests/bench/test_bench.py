@@ -463,16 +463,6 @@ def _suite(tmp_path, capsys, workload: str, framework: str):
     return document, markdown, captured.out, folder
 
 
-@pytest.fixture
-def quick_compiles():
-    """Compile with XLA's optimizations off: a few steps do not repay them."""
-    import jax
-
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", False)
-
-
 TINY_TEST_ROWS = 48
 
 
@@ -496,7 +486,7 @@ def small_test_splits(monkeypatch):
         )
 
 
-@pytest.mark.usefixtures("quick_compiles", "small_test_splits")
+@pytest.mark.usefixtures("small_test_splits")
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
@@ -885,7 +875,6 @@ def test_same_command_gives_identical_numbers_in_new_processes(tmp_path):
         run = _bench_process(
             [*argv, "--output", str(folder)],
             PYTHONHASHSEED=hash_seed,
-            JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # compiles faster (both runs alike)
         )
         assert run.returncode == 0, run.stderr
         document = json.loads((folder / "results.json").read_text())

@@ -219,16 +219,17 @@ def test_every_rank_gets_whitened_updates(shape):
     """On N(0, σ²) gradients the fitted P ≈ σ⁻¹·I, so updates have RMS ≈ 1."""
     params = {"p": jnp.zeros(shape)}
     optimizer = pj.scale_by_kron(b1=0.0, preconditioner_update_probability=1.0)
-    state = optimizer.init(params)
-    update = jax.jit(optimizer.update)
-    squares = []
-    for step in range(400):
+
+    def step(state, step):
         grads = {"p": 5.0 * jax.random.normal(jax.random.PRNGKey(step), shape)}
-        updates, state = update(grads, state)
-        if step >= 300:  # mean over 100 steps: one draw of a scalar is too noisy
-            squares.append(float(jnp.mean(updates["p"] ** 2)))
-    assert updates["p"].shape == shape
-    assert 0.5 < np.sqrt(np.mean(squares)) <= 1.1 + 1e-6
+        updates, state = optimizer.update(grads, state)
+        assert updates["p"].shape == shape  # checked once, at trace time
+        return state, jnp.mean(updates["p"] ** 2)
+
+    run = jax.jit(lambda state: jax.lax.scan(step, state, jnp.arange(400)))
+    _, squares = run(optimizer.init(params))
+    # The mean over the last 100 steps: one draw of a scalar is too noisy.
+    assert 0.5 < np.sqrt(np.mean(squares[300:])) <= 1.1 + 1e-6
 
 
 @pytest.mark.parametrize(
@@ -262,10 +263,11 @@ def test_update_counter_follows_probability():
     params = {"w": jnp.ones((3, 3))}
     optimizer = pj.scale_by_kron(preconditioner_update_probability=0.25)
     state = optimizer.init(params)
+    update = jax.jit(optimizer.update)
     changed = []
     for step in range(12):
         grads = {"w": jax.random.normal(jax.random.PRNGKey(step), (3, 3))}
-        _, new_state = optimizer.update(grads, state)
+        _, new_state = update(grads, state)
         before = jax.tree.leaves(state.preconditioners)
         after = jax.tree.leaves(new_state.preconditioners)
         changed.append(any(bool(jnp.any(a != b)) for a, b in zip(before, after)))
@@ -312,17 +314,17 @@ def test_preconditioner_cache_layouts_agree():
 
 
 @pytest.mark.parametrize("b1", [0.9, 0.0])
-@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
-def test_non_finite_gradient_skips_the_step(bad, b1):
+def test_non_finite_gradient_skips_the_step(b1):
     params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
     optimizer = pj.scale_by_kron(b1=b1, preconditioner_update_probability=1.0)
     update = jax.jit(optimizer.update)
     _, state = update(jax.tree.map(jnp.ones_like, params), optimizer.init(params))
-    bad_grads = {"w": jnp.ones((4, 3)).at[1, 2].set(bad), "b": jnp.ones(3)}
-    updates, new_state = update(bad_grads, state)
-    for leaf in jax.tree.leaves(updates):
-        np.testing.assert_array_equal(leaf, 0.0)
-    jax.tree.map(np.testing.assert_array_equal, new_state, state)
-    _, after = update(jax.tree.map(jnp.ones_like, params), new_state)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after))
-    assert int(after.count) == 2
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        bad_grads = {"w": jnp.ones((4, 3)).at[1, 2].set(bad), "b": jnp.ones(3)}
+        updates, new_state = update(bad_grads, state)
+        for leaf in jax.tree.leaves(updates):
+            np.testing.assert_array_equal(leaf, 0.0, err_msg=str(bad))
+        jax.tree.map(np.testing.assert_array_equal, new_state, state)
+        _, after = update(jax.tree.map(jnp.ones_like, params), new_state)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after))
+        assert int(after.count) == 2, bad

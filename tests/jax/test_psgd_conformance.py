@@ -191,10 +191,6 @@ def _noisy_run(name, newton, make_optimizer, structure):
     return jax.jit(run)
 
 
-def _noisy_final_loss(name, newton, optimizer, structure):
-    return float(_noisy_run(name, newton, lambda _: optimizer, structure)(0.0))
-
-
 @functools.cache
 def _adam_noisy_loss(structure):
     run = _noisy_run("adam", False, optax.adam, structure)
@@ -365,9 +361,9 @@ def test_update_and_state_dtypes_are_stable(name, newton, dtype):
 
 
 @pytest.mark.parametrize(("name", "newton"), CASES)
-@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
-def test_non_finite_gradient_skips_the_step(name, newton, bad):
-    """Zero update, unchanged state; the next finite step proceeds normally."""
+def test_non_finite_gradient_skips_the_step(name, newton):
+    """NaN, +Inf or -Inf in one entry: zero update, unchanged state; the next
+    finite step proceeds normally. (One compiled update serves every value.)"""
     optimizer = _make(name, newton, 0.01)
     update = jax.jit(optimizer.update)
     _, state = update(
@@ -376,13 +372,16 @@ def test_non_finite_gradient_skips_the_step(name, newton, bad):
         PARAMS,
         **_newton_args(PARAMS, 0, newton),
     )
-    grads = _gradients(PARAMS, 1)
-    grads["w"] = grads["w"].at[2, 3].set(bad)
-    updates, new_state = update(grads, state, PARAMS, **_newton_args(PARAMS, 1, newton))
-    for leaf in jax.tree.leaves(updates):
-        np.testing.assert_array_equal(leaf, 0.0)
-    jax.tree.map(np.testing.assert_array_equal, new_state, state)
-    _, after = update(
-        _gradients(PARAMS, 2), new_state, PARAMS, **_newton_args(PARAMS, 2, newton)
-    )
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after))
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        grads = _gradients(PARAMS, 1)
+        grads["w"] = grads["w"].at[2, 3].set(bad)
+        updates, new_state = update(
+            grads, state, PARAMS, **_newton_args(PARAMS, 1, newton)
+        )
+        for leaf in jax.tree.leaves(updates):
+            np.testing.assert_array_equal(leaf, 0.0, err_msg=str(bad))
+        jax.tree.map(np.testing.assert_array_equal, new_state, state)
+        _, after = update(
+            _gradients(PARAMS, 2), new_state, PARAMS, **_newton_args(PARAMS, 2, newton)
+        )
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after)), bad

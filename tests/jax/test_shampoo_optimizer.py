@@ -19,7 +19,13 @@ from jax.sharding import PartitionSpec as P
 
 import precond.jax as pj
 from tests.jax.helpers import float64
-from tests.jax.test_psgd_conformance import _noisy_final_loss, _quadratic, _train
+from tests.jax.test_psgd_conformance import (
+    NOISY_STEPS,
+    _adam_noisy_loss,
+    _noisy_run,
+    _quadratic,
+    _train,
+)
 
 PARAMS = {"w": jnp.ones((6, 5)), "b": jnp.zeros(5), "conv": jnp.ones((3, 2, 2, 2))}
 # With BLOCK = 16: uneven blocks (40 = 16 + 16 + 8), a 3-D tensor merged to (6, 8),
@@ -31,7 +37,6 @@ BLOCKED_PARAMS = {
     "c": jnp.ones((2, 3, 8)),
     "s": jnp.ones(()),
 }
-ADAM_LEARNING_RATES = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003)
 
 
 def _gradients(params, step):
@@ -73,19 +78,14 @@ def test_beats_adam_on_noisy_ill_conditioned_quadratic(graft):
     """½ tr(XᵀAXB) with rotated A, B (condition 1e3, 1e2) and curvature-shaped
     noise: Shampoo's best of 3 rates (cosine decay) beats Adam's best of 6."""
     loss, _, x0 = _quadratic("kronecker")
-    finals = {
-        lr: _noisy_final_loss(
-            "shampoo",
-            False,
-            _shampoo(graft, optax.cosine_decay_schedule(lr, 300)),
-            "kronecker",
-        )
-        for lr in (1.0, 0.1, 0.01)
-    }
-    adam = min(
-        _noisy_final_loss("adam", False, optax.adam(lr), "kronecker")
-        for lr in ADAM_LEARNING_RATES
+    run = _noisy_run(
+        "shampoo",
+        False,
+        lambda lr: _shampoo(graft, optax.cosine_decay_schedule(lr, NOISY_STEPS)),
+        "kronecker",
     )
+    finals = {lr: float(run(lr)) for lr in (1.0, 0.1, 0.01)}
+    adam = _adam_noisy_loss("kronecker")
     best = min(finals.values())
     assert best < float(loss(x0)) / 50, finals
     assert best < adam, (finals, adam)
