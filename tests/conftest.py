@@ -7,12 +7,13 @@ from precond._common.xla_workarounds import avoid_xla_cpu_deadlock, simulate_cpu
 avoid_xla_cpu_deadlock()
 simulate_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compiling is most of the suite's time, and XLA compiles about a third faster
-# with its optimizations off; the properties tested (float64 references,
-# identities, sharded == unsharded, resume == uninterrupted) do not depend on
-# them. Set in the environment, so the processes the tests start inherit it.
-# JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimized; `.ci/run`'s
-# bench runs compile every optimizer as a user's program does.
+# Compiling is much of the suite's time, and XLA compiles about a third faster
+# with its optimizations off (the whole suite: 9% less time). The properties
+# tested (float64 references, identities, sharded == unsharded, resume ==
+# uninterrupted) do not depend on them. Set in the environment, so the
+# processes the tests start inherit it. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs
+# the suite fully optimized; `.ci/run`'s bench runs compile every optimizer as
+# a user's program does.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402 - after XLA_FLAGS is set
@@ -24,7 +25,7 @@ assert jax.device_count() == 8, (
 
 # Files whose tests start processes or train for many steps (10-60 s each). Run
 # first: started last, one of them keeps an xdist worker busy while the other
-# has nothing left (measured: up to a minute of one idle core at the end).
+# has nothing left (measured on 2 cores: 617 s before, 608 s after).
 LONGEST_FIRST = (
     "test_examples.py",
     "test_bench.py",
