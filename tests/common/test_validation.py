@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from precond._common.validation import (
+    check_bool,
     check_choice,
     check_int,
     check_real,
@@ -154,3 +155,18 @@ def test_check_choice():
     assert message == "Invalid mode='c': must be one of None, 'a', 'b'"
     message = raised(ValueError, check_choice, "k", 3, range(3))
     assert message == "Invalid k=3: must be one of 0, 1, 2"
+
+
+# --- check_bool ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), np.bool_(False)])
+def test_check_bool_accepts_bools(value):
+    check_bool("flag", value)
+
+
+@pytest.mark.parametrize("value", ["no", "True", 0, 1, 1.0, None, np.array([True])])
+def test_check_bool_refuses_everything_else(value):
+    assert raised(TypeError, check_bool, "flag", value) == (
+        f"Invalid flag={value!r}: must be True or False"
+    )

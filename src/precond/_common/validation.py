@@ -14,6 +14,8 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 
 def _fail(name: str, value: Any, rule: str, error: type[Exception] = ValueError):
     raise error(f"Invalid {name}={value!r}: must be {rule}")
@@ -81,6 +83,13 @@ def check_int(name: str, value: Any, *, low: int | None = None) -> None:
         _fail(name, value, rule, TypeError)
     if low is not None and value < low:
         _fail(name, value, f">= {low}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Checks ``value`` is a bool (Python or NumPy): a flag given as a string or a
+    number is refused (``"no"`` would otherwise behave as True)."""
+    if not isinstance(value, bool | np.bool_):
+        _fail(name, value, "True or False", TypeError)
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
