@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from precond._common.validation import check_choice, check_real, is_concrete_number
+from precond.jax._guards import all_finite, gradients_are_usable
 from precond.jax._precision import MATMUL_PRECISIONS
 from precond.jax.hessian import newton_arguments
 
@@ -106,13 +107,6 @@ def key_from_seed(seed: jax.Array | int | None) -> jax.Array:
     return seed
 
 
-def _all_finite(*trees) -> jax.Array:
-    leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
-    if not leaves:
-        return jnp.asarray(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
 def scale_by_psgd(
     preconditioner: Preconditioner,
     *,
@@ -168,13 +162,13 @@ def scale_by_psgd(
         if newton is not None:
             h, v = newton["Hvp"], newton["vector"]
             do_update = jnp.asarray(newton["update_preconditioner"], bool)
-            finite = _all_finite(updates, h)
+            finite = gradients_are_usable(updates, h)
         else:
             h, v = updates, None
             do_update = (
                 jax.random.uniform(decision_key) < preconditioner_update_probability
             )
-            finite = _all_finite(updates)
+            finite = gradients_are_usable(updates)
         lr = precond_lr(state.count) if callable(precond_lr) else precond_lr
         first = (state.updates == 0) & auto_scale
 
@@ -184,8 +178,9 @@ def scale_by_psgd(
         factors = jax.lax.cond(
             do_update & finite, fit, lambda f: f, state.preconditioner
         )
-        # A finite but huge gradient can still overflow the fit: keep the old Q.
-        fit_finite = _all_finite(factors)
+        # A fit can still overflow (e.g. on a huge Hessian-vector product): keep
+        # the old Q.
+        fit_finite = all_finite(factors)
         factors = jax.tree.map(
             lambda new, old: jnp.where(fit_finite, new, old),
             factors,

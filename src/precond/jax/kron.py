@@ -21,6 +21,7 @@ from precond._common.validation import is_concrete_number
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
+from precond.jax._guards import all_finite, gradients_are_usable
 from precond.jax._kron_arguments import (
     KRON_STATIC_ARGS,
     precond_update_prob_schedule,
@@ -446,6 +447,7 @@ def scale_by_kron(
                 G = km.add_relative_damping_noise(G, V)
             else:
                 G = km.add_damping_noise(G, V, jnp.maximum(jnp.prod(extent), 1))
+        old_factors, old_lipschitz = factors, lipschitz
         Qs = [factor_of(F) for F in factors]
         if len(Qs) > 1:
             balanced = km.balance_factors(Qs, valid)
@@ -469,7 +471,16 @@ def scale_by_kron(
         factors = tuple(
             Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs
         )
-        return factors, lipschitz
+        # A fit that overflowed (a gradient too large for the grams, yet usable:
+        # _guards) keeps the unit's old factors, as the other PSGD variants do.
+        fitted = all_finite(factors, lipschitz)
+
+        def keep(new, old):
+            if new is None:
+                return None
+            return tuple(jnp.where(fitted, n, o) for n, o in zip(new, old, strict=True))
+
+        return keep(factors, old_factors), keep(lipschitz, old_lipschitz)
 
     def fit_stacks(
         stacks, sharding, all_factors, all_lipschitz, G_stacks, key, V_stacks=None
@@ -565,10 +576,11 @@ def scale_by_kron(
 
     def sharded_update(updates, state, newton, treedef, plans, stacks, sharding):
         grads = sharding.constrain_params(jax.tree.leaves(updates))
-        # A step with a NaN/Inf gradient keeps the old state and returns zeros. The
-        # guard is fused into the elementwise work (no whole-state select or cond).
+        # A step whose gradient is unusable (NaN/Inf, or so large its square
+        # overflows: _guards) keeps the old state and returns zeros. The guard is
+        # fused into the elementwise work (no whole-state select or cond).
         checked = grads if newton is None else grads + jax.tree.leaves(newton["Hvp"])
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked]))
+        finite = gradients_are_usable(checked)
         count = jnp.where(finite, _saturating_increment(state.count), state.count)
         if keep_momentum:
             mus = [

@@ -1,0 +1,37 @@
+"""The step guard every JAX optimizer applies to its gradients.
+
+A step is *skipped* (zero update, state unchanged) when some leaf's squared norm
+‖g‖² = Σ|gᵢ|² is not finite in its working precision (float32, or float64 for
+float64 leaves). That covers NaN and ±Inf entries, and finite entries so large
+that their squares overflow: from about 1.8e19 in float32 (√ of float32's max),
+the preconditioners' second moments (G·Gᴴ, or products of that size) overflow to
+Inf and would poison the state for good. No real gradient is that large; a
+single one is a bad batch, not a signal to follow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _squared_norm(x: jax.Array) -> jax.Array:
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    x = x.astype(dtype) if not jnp.iscomplexobj(x) else x
+    return jnp.sum(jnp.real(x * jnp.conj(x)))
+
+
+def gradients_are_usable(*trees) -> jax.Array:
+    """A bool scalar: every leaf of ``trees`` has a finite squared norm."""
+    leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.isfinite(_squared_norm(x)) for x in leaves]))
+
+
+def all_finite(*trees) -> jax.Array:
+    """A bool scalar: no leaf of ``trees`` has a NaN or ±Inf entry."""
+    leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
