@@ -121,6 +121,18 @@ def test_resume_from_checkpoint_in_new_process_is_bit_identical(tmp_path):
         ({"precond_update_precision": "fp8"}, "Invalid precond_update_precision='fp8'"),
         ({"precond_grads_precision": 3}, "Invalid precond_grads_precision=3"),
         ({"seed": 1.5}, "Invalid seed=1.5"),
+        ({"seed": "abc"}, "Invalid seed='abc'"),
+        ({"mu_dtype": "no dtype"}, "Invalid mu_dtype='no dtype'"),
+        (
+            {"merge_small_dims": "no"},
+            "Invalid merge_small_dims='no': must be True or False",
+        ),
+        ({"momentum_into_precond_update": 0}, "Invalid momentum_into_precond_update=0"),
+        ({"lax_map_scanned_layers": "yes"}, "Invalid lax_map_scanned_layers='yes'"),
+        (
+            {"partition_grads_into_blocks": None},
+            "Invalid partition_grads_into_blocks=None",
+        ),
         (
             {"preconditioner_cache": True},
             "Invalid preconditioner_cache=True: must be one of 'packed', 'dense', None",

@@ -11,6 +11,7 @@ dtypes, and the non-finite-gradient policy.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -385,3 +386,43 @@ def test_non_finite_gradient_skips_the_step(name, newton):
             _gradients(PARAMS, 2), new_state, PARAMS, **_newton_args(PARAMS, 2, newton)
         )
         assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after)), bad
+
+
+# Arguments XMat, LRA and Affine share (psgd-jax's), each with a bad value, the
+# error type and the start of its message.
+SHARED_BAD_ARGUMENTS = [
+    (dict(nesterov="no"), TypeError, "Invalid nesterov='no': must be True or False"),
+    (dict(nesterov=1), TypeError, "Invalid nesterov=1: must be True or False"),
+    (dict(seed="abc"), TypeError, "Invalid seed='abc': must be None, a PRNG key"),
+    (dict(seed=1.5), TypeError, "Invalid seed=1.5"),
+    (dict(seed=np.zeros(3, np.uint32)), TypeError, "Invalid seed=array"),
+    (dict(mu_dtype=jnp.int32), ValueError, "must be a floating dtype"),
+    (dict(mu_dtype="no dtype"), ValueError, "Invalid mu_dtype='no dtype'"),
+    (dict(b1=1.0), ValueError, "Invalid b1=1.0: must be in [0.0, 1.0)"),
+    (dict(precond_lr=0.0), ValueError, "Invalid precond_lr=0.0: must be > 0.0"),
+    (dict(preconditioner_update_probability=1.5), ValueError, "Invalid prec"),
+    (dict(update_global_norm_clip=-1.0), ValueError, "Invalid update_global_no"),
+    (dict(precond_init_scale=0.0), ValueError, "Invalid precond_init_scale=0.0"),
+    (dict(step_normalizer_order="3rd"), ValueError, "Invalid step_normalizer_o"),
+    (dict(precision="fast"), ValueError, "Invalid precision='fast'"),
+]
+
+
+@pytest.mark.parametrize("name", ["xmat", "lra", "affine"])
+def test_shared_arguments_are_checked_at_construction(name):
+    for kwargs, error, message in SHARED_BAD_ARGUMENTS:
+        with pytest.raises(error, match=re.escape(message)):
+            OPTIMIZERS[name](**kwargs)
+
+
+@pytest.mark.parametrize("name", ["xmat", "lra", "affine"])
+def test_every_seed_form_psgd_jax_accepts_works(name):
+    """None (psgd-jax's PRNGKey(36)), a raw or typed PRNG key, or an int n
+    (PRNGKey(n)): the int and its raw key give the same state."""
+    params = {"w": jnp.ones((3, 2))}
+    states = {
+        repr(seed): OPTIMIZERS[name](seed=seed).init(params)
+        for seed in (None, 7, jax.random.PRNGKey(7), jax.random.key(7))
+    }
+    int_state, key_state = states["7"], states[repr(jax.random.PRNGKey(7))]
+    jax.tree.map(np.testing.assert_array_equal, int_state, key_state)

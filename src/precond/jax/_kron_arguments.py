@@ -8,14 +8,18 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from precond._common.factor_plan import MEMORY_SAVE_MODES
 from precond._common.schedules import check_update_prob_schedule
-from precond._common.validation import check_choice, check_int, check_real
+from precond._common.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+)
 from precond.jax import _kron_math as km
-from precond.jax._precision import MATMUL_PRECISIONS
+from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 
 # Layouts of the cached P_i = Q_iᵀQ_i (see scale_by_kron's preconditioner_cache).
 PRECONDITIONER_CACHES = ("packed", "dense", None)
@@ -78,6 +82,10 @@ def validate_kron_arguments(
     preconditioner_cache,
     preconditioner_update_style,
     seed,
+    momentum_into_precond_update,
+    lax_map_scanned_layers,
+    merge_small_dims,
+    partition_grads_into_blocks,
 ) -> None:
     check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
     check_real(
@@ -97,9 +105,8 @@ def validate_kron_arguments(
         low=0.0,
         low_inclusive=False,
     )
-    for name, dtype in (("mu_dtype", mu_dtype), ("precond_dtype", precond_dtype)):
-        if dtype is not None and not jnp.issubdtype(np.dtype(dtype), jnp.floating):
-            raise ValueError(f"Invalid {name}={dtype!r}: must be a floating dtype")
+    check_floating_dtype("mu_dtype", mu_dtype)
+    check_floating_dtype("precond_dtype", precond_dtype)
     check_choice(
         "precond_update_precision", precond_update_precision, MATMUL_PRECISIONS
     )
@@ -123,3 +130,7 @@ def validate_kron_arguments(
         "preconditioner_update_style", preconditioner_update_style, km.UPDATE_STYLES
     )
     check_int("seed", seed)
+    check_bool("momentum_into_precond_update", momentum_into_precond_update)
+    check_bool("lax_map_scanned_layers", lax_map_scanned_layers)
+    check_bool("merge_small_dims", merge_small_dims)
+    check_bool("partition_grads_into_blocks", partition_grads_into_blocks)

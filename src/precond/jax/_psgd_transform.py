@@ -24,11 +24,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from precond._common.validation import check_choice, check_real, is_concrete_number
+from precond._common.validation import (
+    check_bool,
+    check_choice,
+    check_real,
+    is_concrete_number,
+)
 from precond.jax._guards import all_finite, gradients_are_usable
-from precond.jax._precision import MATMUL_PRECISIONS
+from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 from precond.jax.hessian import newton_arguments
 
 STEP_NORMALIZER_ORDERS = ("1st", "2nd")
@@ -71,8 +77,14 @@ def check_psgd_arguments(
     update_global_norm_clip,
     step_normalizer_order,
     precision,
+    nesterov,
+    seed,
+    mu_dtype,
 ) -> None:
     """Construction-time checks of the arguments every PSGD variant shares."""
+    check_bool("nesterov", nesterov)
+    check_seed(seed)
+    check_floating_dtype("mu_dtype", mu_dtype)
     check_real(
         "preconditioner_update_probability",
         preconditioner_update_probability,
@@ -96,6 +108,22 @@ def check_psgd_arguments(
         )
     check_choice("step_normalizer_order", step_normalizer_order, STEP_NORMALIZER_ORDERS)
     check_choice("precision", precision, MATMUL_PRECISIONS)
+
+
+def check_seed(seed) -> None:
+    """psgd-jax's ``seed``: None, a PRNG key (``jax.random.PRNGKey(n)`` or a
+    typed key), or, as a convenience, a Python int."""
+    if seed is None or (isinstance(seed, int) and not isinstance(seed, bool)):
+        return
+    if isinstance(seed, jax.Array | np.ndarray):
+        if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) and seed.shape == ():
+            return
+        if seed.dtype == jnp.uint32 and seed.shape == (2,):
+            return
+    raise TypeError(
+        f"Invalid seed={seed!r}: must be None, a PRNG key (jax.random.PRNGKey(n) "
+        "or jax.random.key(n)) or a Python int"
+    )
 
 
 def key_from_seed(seed: jax.Array | int | None) -> jax.Array:
@@ -135,6 +163,9 @@ def scale_by_psgd(
         update_global_norm_clip,
         step_normalizer_order,
         precision,
+        nesterov,
+        seed,
+        mu_dtype,
     )
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None

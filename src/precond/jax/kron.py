@@ -257,6 +257,10 @@ def scale_by_kron(
         preconditioner_cache=preconditioner_cache,
         preconditioner_update_style=preconditioner_update_style,
         seed=seed,
+        momentum_into_precond_update=momentum_into_precond_update,
+        lax_map_scanned_layers=lax_map_scanned_layers,
+        merge_small_dims=merge_small_dims,
+        partition_grads_into_blocks=partition_grads_into_blocks,
     )
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
