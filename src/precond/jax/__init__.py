@@ -9,6 +9,8 @@ the matrix functions ``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteratio
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
+# First, before anything imports jax: adds XLA:CPU's deadlock flag to XLA_FLAGS.
+from precond.jax import _xla_setup  # noqa: F401  # isort: skip
 from precond.jax._psgd_transform import PSGDState
 from precond.jax._shampoo_math import (
     QuantizedArray,

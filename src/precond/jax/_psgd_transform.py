@@ -33,6 +33,7 @@ from precond._common.validation import (
     check_real,
     is_concrete_number,
 )
+from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
 from precond.jax._guards import all_finite, gradients_are_usable
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 from precond.jax.hessian import newton_arguments
@@ -167,6 +168,7 @@ def scale_by_psgd(
         seed,
         mu_dtype,
     )
+    warn_if_xla_cpu_deadlock_possible()
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None
 

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from precond._common.validation import is_concrete_number
+from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
@@ -262,6 +263,7 @@ def scale_by_kron(
         merge_small_dims=merge_small_dims,
         partition_grads_into_blocks=partition_grads_into_blocks,
     )
+    warn_if_xla_cpu_deadlock_possible()
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
     # Factors are stored in precond_dtype (bfloat16 halves their memory) and
