@@ -9,8 +9,9 @@ Usage::
 
 - ``results.json`` parses (strict JSON: no NaN) and its ``runs`` list holds, for
   every framework × workload × optimizer asked for, at least one run whose
-  ``final_val_loss`` is a finite number, and no run of another framework (a venv
-  without torch must not produce torch runs);
+  ``final_val_loss`` is a finite number, no run whose ``skipped_steps`` (steps the
+  optimizers' step guard refused) is not 0, and no run of another framework (a
+  venv without torch must not produce torch runs);
 - ``report.md`` exists and names every workload;
 - every plot that ``report.md`` links (``![...](name.png)``) exists and is a valid
   PNG: signature, IHDR first with a non-zero size, IEND last, every chunk's CRC
@@ -68,6 +69,11 @@ def check_results(path: Path, frameworks, workloads, optimizers) -> list[str]:
             continue
         key = (run["framework"], run["workload"], run["optimizer"])
         found.setdefault(key, []).append(run["final_val_loss"])
+        if run.get("skipped_steps", 0) != 0:
+            problems.append(
+                f"{path}: {'/'.join(key)}: the step guard skipped "
+                f"{run['skipped_steps']} steps (a sound workload has none)"
+            )
         if run["framework"] not in frameworks:
             problems.append(
                 f"{path}: runs[{i}] is a {run['framework']!r} run; expected only "

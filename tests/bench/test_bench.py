@@ -262,6 +262,7 @@ def _run(optimizer, lr, seed, losses, times=None, **fields) -> RunResult:
         "final_val_loss": losses[-1],
         "final_val_accuracy": 0.5,
         "diverged": not math.isfinite(losses[-1]),
+        "skipped_steps": 0,
         "median_step_ms": 10.0,
         "compile_s": 1.0,
         "train_s": times[-1],
@@ -389,7 +390,7 @@ def test_training_loop_budgets_evaluations_and_divergence():
     def step(idx, scale):
         assert idx.shape == (4,)
         scales.append(scale)
-        return 2.0
+        return 2.0, len(scales) in (3, 7)  # the step guard refused steps 3 and 7
 
     config = RunConfig(steps=25, batch_size=4, eval_every=10, warmup_steps=0)
     loop = training_loop(step, evaluate, config, n_train=10)
@@ -403,6 +404,7 @@ def test_training_loop_budgets_evaluations_and_divergence():
     assert scales[0] == pytest.approx(lr_multiplier(0.5 / 25, "cosine"))
     assert scales[-1] == pytest.approx(lr_multiplier(24.5 / 25, "cosine"))
     assert not loop.diverged
+    assert loop.skipped_steps == 2
 
     # A time budget stops after the step that uses it up.
     scales.clear()
@@ -413,7 +415,7 @@ def test_training_loop_budgets_evaluations_and_divergence():
 
         time.sleep(0.01)
         scales.append(scale)
-        return 1.0
+        return 1.0, False
 
     loop = training_loop(slow_step, evaluate, timed, n_train=10)
     assert 2 <= len(scales) <= 6
@@ -424,7 +426,9 @@ def test_training_loop_budgets_evaluations_and_divergence():
 
     # A non-finite loss stops the run at that step.
     losses = iter([1.0, 0.5, math.nan, 0.1])
-    loop = training_loop(lambda idx, scale: next(losses), evaluate, config, n_train=10)
+    loop = training_loop(
+        lambda idx, scale: (next(losses), False), evaluate, config, n_train=10
+    )
     assert loop.diverged
     assert len(loop.minibatch_loss) == 3
     assert loop.history[-1]["step"] == 3
@@ -527,6 +531,7 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
         assert run["param_bytes"] == jax_params
         assert run["state_bytes"] > 0
         assert (run["compile_s"] is None) == (key[0] == "torch")
+        assert run["skipped_steps"] == 0
         # The summary of one seed repeats the run; the table prints it.
         row = summary[key]
         assert row["val_loss"] == run["final_val_loss"]
@@ -554,6 +559,10 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     best = min(runs.values(), key=lambda r: r["final_val_loss"])
     winner = f"{workload} ({framework}): {best['optimizer']} has the lowest"
     assert winner in out
+    # No step's gradient was refused by the step guard (over-skipping check).
+    skipped = "Steps skipped by the step guard (non-finite or overflowing gradients)"
+    assert f"{skipped}: none." in out
+    assert f"{skipped}: none." in markdown
     assert f"- {winner}" in markdown
     assert "report written to" in out
     # What the figures depend on is recorded: versions, CPU, cores, threads and

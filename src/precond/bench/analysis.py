@@ -144,6 +144,7 @@ class Summary:
     state_bytes: int
     param_bytes: int
     diverged: int  # seeds that diverged
+    skipped_steps: int  # steps the step guard refused, over the seeds
     target: float | None = None  # the baseline's mean final validation loss
     steps_to_target: float | None = None
     time_to_target: float | None = None
@@ -194,6 +195,7 @@ def summarize(results: Sequence[RunResult], baseline: str = "adamw") -> list[Sum
             state_bytes=runs[0].state_bytes,
             param_bytes=runs[0].param_bytes,
             diverged=sum(r.diverged for r in runs),
+            skipped_steps=sum(r.skipped_steps for r in runs),
             swept={
                 lr: _mean([r.final_val_loss for r in group])
                 for lr, group in sorted(by_lr.items())

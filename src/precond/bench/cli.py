@@ -531,6 +531,7 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         format_table,
         format_winners,
         json_document,
+        skipped_steps_line,
         write_json,
     )
     from precond.bench.suite import plan, run_suite
@@ -582,6 +583,7 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if rows:
         print(format_table(rows, baseline=BASELINE))
         print(format_winners(rows))
+        print(skipped_steps_line(rows))
 
     os.makedirs(output, exist_ok=True)
     plots = []

@@ -66,7 +66,24 @@ def _loss(row: Summary) -> str:
         text += f"±{row.val_loss_std:.2g}"
     if row.diverged:
         text += " (diverged)"
+    if row.skipped_steps:
+        text += f" ({row.skipped_steps} skipped)"
     return text
+
+
+def skipped_steps_line(rows: Sequence[Summary]) -> str:
+    """One sentence on the steps whose gradient the step guard refused (NaN or
+    ±Inf entries, or a squared norm that overflows): none on a sound workload."""
+    runs = [
+        f"{r.optimizer} on {r.workload} ({r.framework}) {r.skipped_steps}"
+        for r in rows
+        if r.skipped_steps
+    ]
+    return (
+        "Steps skipped by the step guard (non-finite or overflowing gradients): "
+        + ("; ".join(runs) if runs else "none")
+        + "."
+    )
 
 
 def table_cells(row: Summary, rank: int, baseline: str) -> list[str]:
@@ -199,6 +216,8 @@ def format_markdown(
         "over seeds where there are several):",
         "",
         *(f"- {winner_line(w)}" for w in winners(rows)),
+        "",
+        skipped_steps_line(rows),
         "",
         "## Summary",
         "",

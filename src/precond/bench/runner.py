@@ -91,7 +91,10 @@ class RunResult:
     at step 0, the last after the final step; ``final_*`` are the last entry's
     values. ``minibatch_loss[i]`` is the loss of the batch of step i + 1 and
     ``step_ms[i]`` its wall time (warm-up steps included). ``diverged``: a
-    minibatch loss was not finite, and the run stopped there.
+    minibatch loss was not finite, and the run stopped there. ``skipped_steps``:
+    steps whose gradient precond's step guard refuses (a NaN or ±Inf entry, or
+    a squared norm that overflows): precond's optimizers skip them, the
+    baselines apply them. A real workload should have none.
     """
 
     framework: str
@@ -109,6 +112,7 @@ class RunResult:
     final_val_loss: float
     final_val_accuracy: float
     diverged: bool
+    skipped_steps: int
     median_step_ms: float
     compile_s: float | None  # None where there is no separate compilation
     train_s: float
@@ -168,6 +172,7 @@ class LoopRecord:
     step_seconds: list[float]
     train_s: float
     diverged: bool
+    skipped_steps: int
 
 
 def training_loop(
@@ -180,8 +185,9 @@ def training_loop(
     """Runs ``config``'s budget of steps.
 
     Args:
-        step: (row indices of the batch, learning-rate multiplier) ↦ minibatch loss,
-            after the update has completed.
+        step: (row indices of the batch, learning-rate multiplier) ↦ (minibatch
+            loss, whether the step guard refused the gradient), after the update
+            has completed.
         evaluate: () ↦ (validation loss, validation accuracy) of the current model.
         config: the budget, batch size, seed, schedule and evaluation interval.
         n_train: training rows (the minibatches are drawn from them).
@@ -213,7 +219,7 @@ def training_loop(
     history = [record(0, 0.0, math.nan)]
     losses: list[float] = []
     seconds: list[float] = []
-    elapsed, k, diverged = 0.0, 0, False
+    elapsed, k, diverged, skipped = 0.0, 0, False, 0
     since_eval: list[float] = []
     while True:
         if config.steps is not None:
@@ -227,8 +233,9 @@ def training_loop(
             progress = (elapsed + 0.5 * last) / config.time_budget_s
         idx = next_batch()
         start = time.perf_counter()
-        loss = float(step(idx, lr_multiplier(progress, config.schedule)))
+        loss, refused = step(idx, lr_multiplier(progress, config.schedule))
         seconds.append(time.perf_counter() - start)
+        loss, skipped = float(loss), skipped + bool(refused)
         elapsed += seconds[-1]
         k += 1
         losses.append(loss)
@@ -244,7 +251,7 @@ def training_loop(
     if history[-1]["step"] != k:
         train_loss = statistics.fmean(since_eval) if since_eval else math.nan
         history.append(record(k, elapsed, train_loss))
-    return LoopRecord(history, losses, seconds, elapsed, diverged)
+    return LoopRecord(history, losses, seconds, elapsed, diverged, skipped)
 
 
 def median_step_ms(seconds: list[float], warmup_steps: int) -> float:
@@ -267,6 +274,7 @@ def result_from_loop(loop: LoopRecord, config: RunConfig, **fields: Any) -> RunR
         final_val_loss=final["val_loss"],
         final_val_accuracy=final["val_accuracy"],
         diverged=loop.diverged,
+        skipped_steps=loop.skipped_steps,
         median_step_ms=median_step_ms(loop.step_seconds, config.warmup_steps),
         train_s=loop.train_s,
         history=loop.history,
@@ -288,7 +296,9 @@ def tree_nbytes(tree: Any) -> int:
 
 def make_train_step(workload: Workload, optimizer, batch_sharding=None) -> Callable:
     """(params, opt_state, x_train, y_train, idx, lr_scale) ↦ (params, opt_state,
-    loss).
+    loss, refused): ``refused`` is True when the step guard of precond's
+    optimizers (:func:`precond.jax._guards.gradients_are_usable`) refuses the
+    gradient.
 
     Gathers the minibatch ``idx`` from the device-resident training set (split
     over the devices by ``batch_sharding`` if given), takes the loss gradient,
@@ -297,6 +307,8 @@ def make_train_step(workload: Workload, optimizer, batch_sharding=None) -> Calla
     """
     import jax
     import optax
+
+    from precond.jax._guards import gradients_are_usable
 
     def train_step(params, opt_state, x_train, y_train, idx, lr_scale):
         with jax.named_scope("precond/bench/train_step"):
@@ -308,7 +320,7 @@ def make_train_step(workload: Workload, optimizer, batch_sharding=None) -> Calla
             updates, opt_state = optimizer.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
             params = optax.apply_updates(params, updates)
-        return params, opt_state, loss
+        return params, opt_state, loss, ~gradients_are_usable(grads)
 
     return train_step
 
@@ -397,8 +409,10 @@ def run_jax(
                 place(idx),
                 jnp.float32(scale),
             )
-            state["params"], state["opt_state"], loss = jax.block_until_ready(out)
-            return float(loss)
+            state["params"], state["opt_state"], loss, refused = jax.block_until_ready(
+                out
+            )
+            return float(loss), bool(refused)
 
         def evaluate() -> tuple[float, float]:
             result = metrics(state["params"], x_test, y_test)

@@ -32,6 +32,20 @@ def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean
     )
 
 
+def gradients_are_usable(parameters) -> bool:
+    """precond's step guard (as :mod:`precond.jax._guards`): every gradient's
+    squared norm is finite in float32 (float64 for float64 gradients)."""
+    norms = [
+        torch.linalg.vector_norm(
+            p.grad, dtype=torch.promote_types(p.dtype, torch.float32)
+        )
+        ** 2
+        for p in parameters
+        if p.grad is not None
+    ]
+    return not norms or bool(torch.isfinite(torch.stack(norms)).all())
+
+
 def run_torch(
     workload: Workload,
     spec: OptimizerSpec,
@@ -60,8 +74,9 @@ def run_torch(
         optimizer.zero_grad()
         loss = _cross_entropy(model(x_train[rows]), y_train[rows])
         loss.backward()
+        refused = not gradients_are_usable(model.parameters())
         optimizer.step()
-        return loss.item()
+        return loss.item(), refused
 
     @torch.no_grad()
     def evaluate() -> tuple[float, float]:
