@@ -35,3 +35,24 @@ def all_finite(*trees) -> jax.Array:
     if not leaves:
         return jnp.asarray(True)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def check_parameter_dtypes(params, optimizer: str, *, complex_ok: bool) -> None:
+    """Refuses, at ``init``, parameters no step can move: integer or bool leaves
+    (and complex ones where ``complex_ok`` is False), naming the first such leaf."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or jnp.issubdtype(dtype, jnp.floating):
+            continue
+        where = f"parameter {jax.tree_util.keystr(path) or '(the root)'} is {dtype}"
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            if complex_ok:
+                continue
+            raise TypeError(
+                f"{optimizer} does not support complex parameters: {where}. PSGD "
+                "(precond.jax.kron, xmat, low_rank_approximation, affine) does."
+            )
+        raise TypeError(
+            f"{optimizer} needs floating-point parameters: {where}. Leave it out "
+            "of the optimized tree (e.g. optax.masked or optax.set_to_zero)."
+        )

@@ -34,7 +34,11 @@ from precond._common.validation import (
     is_concrete_number,
 )
 from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
-from precond.jax._guards import all_finite, gradients_are_usable
+from precond.jax._guards import (
+    all_finite,
+    check_parameter_dtypes,
+    gradients_are_usable,
+)
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 from precond.jax.hessian import newton_arguments
 
@@ -173,6 +177,7 @@ def scale_by_psgd(
     auto_scale = precond_init_scale is None
 
     def init_fn(params):
+        check_parameter_dtypes(params, "PSGD", complex_ok=True)
         mu = None
         if keep_momentum:
             mu = jax.tree.map(

@@ -22,7 +22,11 @@ from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
-from precond.jax._guards import all_finite, gradients_are_usable
+from precond.jax._guards import (
+    all_finite,
+    check_parameter_dtypes,
+    gradients_are_usable,
+)
 from precond.jax._kron_arguments import (
     KRON_STATIC_ARGS,
     precond_update_prob_schedule,
@@ -354,6 +358,7 @@ def scale_by_kron(
         return tuple(factors)
 
     def init_fn(params: optax.Params) -> KronState:
+        check_parameter_dtypes(params, "PSGD Kron", complex_ok=True)
         treedef, _, stacks, sharding = plan_tree(params)
 
         def body(params):
