@@ -539,7 +539,7 @@ def test_naming_an_unsupported_layer_is_refused(layers, message):
         (dict(factor_dtype=torch.int32), r"Invalid factor_dtype"),
         (dict(grad_scaler=3.0), r"Invalid grad_scaler=3.0"),
         (dict(colocate_factors=False), r"Invalid colocate_factors=False"),
-        (dict(skip_layers="fc"), r"lists of str"),
+        (dict(skip_layers="fc"), r"Invalid skip_layers=.fc.: must be a list of str"),
         (dict(unknown=1), r"unexpected keyword argument 'unknown'"),
     ],
 )

@@ -14,14 +14,22 @@ Per step t (the count of ``step()`` calls):
    averaged. Factors are kept in float32 at least (``factor_dtype``), and under
    AMP g is divided by the ``grad_scaler``'s scale.
 2. ``step()`` all-reduces the contributions (mean over ranks) and folds them in:
-   F ← α F + (1 − α) F_batch, F starting at I. A contribution that is not finite is
-   dropped, so a NaN/Inf gradient never reaches the factors.
+   F ← α F + (1 − α) F_batch, F starting at I. A contribution that is not finite,
+   or whose squared Frobenius norm overflows the factor dtype (float32: entries
+   ≥ ~1.8e19), is dropped for that step (logged), and the decompositions in use
+   are kept: a NaN/Inf or huge finite activation or gradient never reaches the
+   factors, so the factors and decompositions stay finite.
 3. When ``t % inv_update_steps == 0`` each layer's inverse worker decomposes (eigen)
    or inverts (inverse) its factors and broadcasts the result to the layer's
    gradient workers (:mod:`.assignment`).
 4. The gradient workers precondition ∇ (:mod:`.second_order`) and broadcast the
    result to the other ranks of their row; all ranks scale every layer by the
-   KL-clip factor ν and write it into ``.grad``.
+   KL-clip factor ν and write it into ``.grad``. Both are scale-safe: a layer's
+   gradient is preconditioned divided by a power of two 2^e ≥ max|∇| (when
+   max|∇| ≥ 1) and ν is computed in float64 with the powers of two apart, so a
+   huge finite gradient (1e30, float32's max) gets a finite, clipped update.
+   A non-finite gradient gives a non-finite update (ν = 1), as without K-FAC:
+   skip such steps in the optimizer (``GradScaler`` does).
 
 Data parallelism: the gradients must be averaged over ranks (DDP does this), so
 the loss being minimised is the mean of the ranks' losses and the output gradient
@@ -34,10 +42,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import numbers
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -45,7 +54,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from precond._common.validation import check_int, check_real
+from precond._common.validation import check_bool, check_int, check_real
 from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
 from precond.torch.kfac.communication import Communicator
 from precond.torch.kfac.layers import (
@@ -136,6 +145,102 @@ def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
     )
 
 
+def _check_steps(name: str, value: Any) -> None:
+    if not callable(value):
+        check_int(name, value, low=1)
+
+
+def _check_optional_positive(name: str, value: Any) -> None:
+    if value is not None:
+        check_real(name, value, low=0.0, low_inclusive=False, allow_schedule=True)
+
+
+def _check_choice(enum_type: type[enum.Enum]) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        _enum_member(name, value, enum_type)
+
+    return check
+
+
+def _check_grad_worker_fraction(name: str, value: Any) -> None:
+    if not isinstance(value, DistributedStrategy):
+        check_real(name, value, low=0.0, high=1.0)
+
+
+def _check_grad_scaler(name: str, value: Any) -> None:
+    if value is not None and not (hasattr(value, "get_scale") or callable(value)):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be a GradScaler or a callable returning "
+            "the loss scale"
+        )
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    if value is None and name == "factor_dtype":
+        return
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"Invalid {name}={value!r}: must be a floating torch.dtype")
+    if name == "inv_dtype" and value not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"Invalid inv_dtype={value!r}: must be float32 or float64 (eigh and inv "
+            "do not run in half precision)"
+        )
+
+
+def _check_patterns(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, str) or not isinstance(value, Sequence | set):
+        raise TypeError(f"Invalid {name}={value!r}: must be a list of str")
+    for pattern in value:
+        if not isinstance(pattern, str):
+            raise TypeError(f"Invalid {name}={value!r}: must be a list of str")
+        if name == "skip_layers":
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"Invalid {name}={value!r}: must be regular expressions "
+                    f"({pattern!r}: {error})"
+                ) from None
+
+
+def _positive_schedulable(name: str, value: Any) -> None:
+    check_real(name, value, low=0.0, low_inclusive=False, allow_schedule=True)
+
+
+# One row per constructor argument (after ``model``), in signature order: the check
+# raises ``Invalid <name>=<value!r>: must be <rule>`` (TypeError for a wrong type).
+_ARGUMENT_CHECKS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
+    ("factor_update_steps", _check_steps),
+    ("inv_update_steps", _check_steps),
+    ("damping", _positive_schedulable),
+    (
+        "factor_decay",
+        partial(
+            check_real, low=0.0, high=1.0, low_inclusive=False, allow_schedule=True
+        ),
+    ),
+    ("kl_clip", _check_optional_positive),
+    ("lr", partial(check_real, low=0.0, allow_schedule=True)),
+    ("accumulation_steps", partial(check_int, low=1)),
+    ("allreduce_bucket_cap_mb", partial(check_real, low=0.0)),
+    ("assignment_strategy", _check_choice(AssignmentStrategy)),
+    ("colocate_factors", check_bool),
+    ("compute_method", _check_choice(ComputeMethod)),
+    ("compute_eigenvalue_outer_product", check_bool),
+    ("grad_worker_fraction", _check_grad_worker_fraction),
+    ("symmetry_aware", check_bool),
+    ("grad_scaler", _check_grad_scaler),
+    ("factor_dtype", _check_dtype),
+    ("inv_dtype", _check_dtype),
+    ("skip_layers", _check_patterns),
+    ("update_factors_in_hook", check_bool),
+    ("loglevel", partial(check_int, low=0)),
+    ("layers", _check_patterns),
+)
+
+
 class KFAC:
     """K-FAC gradient preconditioner with KAISA's distribution strategies.
 
@@ -205,49 +310,13 @@ class KFAC:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Invalid model={model!r}: must be a torch.nn.Module")
-        for name, value in (
-            ("factor_update_steps", factor_update_steps),
-            ("inv_update_steps", inv_update_steps),
-        ):
-            if not callable(value):
-                check_int(name, value, low=1)
-        check_real(
-            "damping", damping, low=0.0, low_inclusive=False, allow_schedule=True
-        )
-        check_real(
-            "factor_decay",
-            factor_decay,
-            low=0.0,
-            high=1.0,
-            low_inclusive=False,
-            allow_schedule=True,
-        )
-        if kl_clip is not None:
-            check_real(
-                "kl_clip", kl_clip, low=0.0, low_inclusive=False, allow_schedule=True
-            )
-        check_real("lr", lr, low=0.0, allow_schedule=True)
-        check_int("accumulation_steps", accumulation_steps, low=1)
-        check_real("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb, low=0.0)
+        arguments = locals()
+        for name, check in _ARGUMENT_CHECKS:
+            check(name, arguments[name])
         assignment_strategy = _enum_member(
             "assignment_strategy", assignment_strategy, AssignmentStrategy
         )
         compute_method = _enum_member("compute_method", compute_method, ComputeMethod)
-        for name, value in (
-            ("factor_dtype", factor_dtype),
-            ("inv_dtype", inv_dtype),
-        ):
-            if value is None and name == "factor_dtype":
-                continue
-            if not isinstance(value, torch.dtype) or not value.is_floating_point:
-                raise TypeError(
-                    f"Invalid {name}={value!r}: must be a floating torch.dtype"
-                )
-        if inv_dtype in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"Invalid inv_dtype={inv_dtype!r}: must be float32 or float64 "
-                "(eigh and inv do not run in half precision)"
-            )
         if (
             compute_method is ComputeMethod.EIGEN
             and compute_eigenvalue_outer_product
@@ -258,15 +327,6 @@ class KFAC:
                 "True needs both factors of a layer on one rank (set "
                 "colocate_factors=True or compute_eigenvalue_outer_product=False)"
             )
-        if grad_scaler is not None and not (
-            hasattr(grad_scaler, "get_scale") or callable(grad_scaler)
-        ):
-            raise TypeError(
-                f"Invalid grad_scaler={grad_scaler!r}: must be a GradScaler or a "
-                "callable returning the loss scale"
-            )
-        if isinstance(skip_layers, str) or isinstance(layers, str):
-            raise TypeError("skip_layers and layers must be lists of str, not a str")
 
         self._factor_update_steps = factor_update_steps
         self._inv_update_steps = inv_update_steps
@@ -364,6 +424,11 @@ class KFAC:
             if not has_params:
                 continue
             reason = unsupported_reason(module)
+            if reason is None and module.weight.numel() == 0:
+                # nn.Linear(n, 0), nn.Linear(0, n), a 0-channel Conv2d: no weights
+                # to precondition (a bias alone keeps its plain gradient).
+                logger.log(self.loglevel, "K-FAC skips %r: its weight is empty", name)
+                continue
             if reason is None:
                 registered.append(KFACLayer(name, module))
                 logger.log(self.loglevel, "K-FAC registers %r", registered[-1])
@@ -511,7 +576,12 @@ class KFAC:
             [*tensors, counts_tensor], [True] * len(tensors) + [False]
         )
         contributors = reduced[-1].tolist()
-        finite = torch.stack([t.sum() for t in reduced[:-1]]).isfinite().tolist()
+        # A contribution is folded in only if its squared Frobenius norm is finite
+        # in the factor dtype: NaN/Inf, and finite entries so large (≥ ~1.8e19 in
+        # float32: activations or output gradients ≥ ~4e9) that the factor's
+        # decompositions would overflow, are dropped for the step.
+        finite = torch.stack([t.square().sum() for t in reduced[:-1]])
+        finite = finite.isfinite().tolist()
         alpha = self.factor_decay
         for i, layer in enumerate(self.layers):
             for j, attr in enumerate(("A", "G")):
@@ -520,7 +590,8 @@ class KFAC:
                     continue
                 if not finite[k]:
                     logger.warning(
-                        "K-FAC dropped a non-finite %s contribution of %r at step %d",
+                        "K-FAC dropped a non-finite (or overflowing) %s contribution "
+                        "of %r at step %d",
                         attr,
                         layer.name,
                         self._steps,
@@ -639,7 +710,23 @@ class KFAC:
         comm, grid = self.communicator, self.grid
         my_column, my_row = grid.column_of(comm.rank), grid.row_of(comm.rank)
         active = [l for l in self.layers if self._ready[l.name] and l.has_grad()]
+        if not active:
+            return
         grads = {l.name: l.grad_matrix() for l in active}
+        # Scale-safe: each layer preconditions 2^−e ∇ with 2^(e−1) ≤ max|∇| < 2^e
+        # (e ≥ 0: only gradients of 1 and more are scaled, and powers of two
+        # scale exactly), and 2^e is applied with the KL clip's ν at the end, so a
+        # huge finite gradient (1e30, float32's max) does not overflow on the way.
+        maxima = torch.stack(
+            [grads[l.name].abs().amax().to(torch.float64) for l in active]
+        ).tolist()
+        exponents = [
+            max(math.frexp(m)[1], 0) if math.isfinite(m) else 0 for m in maxima
+        ]
+        for layer, e in zip(active, exponents, strict=True):
+            grads[layer.name] = grads[layer.name].to(self.inv_dtype)
+            if e:
+                grads[layer.name] = grads[layer.name] * math.ldexp(1.0, -e)
         result: dict[str, torch.Tensor] = {}
         for layer in active:
             if self.assignment[layer.name].column == my_column:
@@ -669,14 +756,22 @@ class KFAC:
                 result.update({l.name: t for l, t in zip(mine, received, strict=True)})
         kl_clip = self.kl_clip
         preconditioned = [result[l.name] for l in active]
-        scale = (
+        nu = (
             1.0
             if kl_clip is None
             else kl_clip_scale(
-                preconditioned, [grads[l.name] for l in active], self.lr, kl_clip
+                preconditioned,
+                [grads[l.name] for l in active],
+                self.lr,
+                kl_clip,
+                exponents,
             )
         )
-        for layer, update in zip(active, preconditioned, strict=True):
+        for layer, update, e in zip(active, preconditioned, exponents, strict=True):
+            try:
+                scale = math.ldexp(nu, e)
+            except OverflowError:  # float64 gradients near their max, not clipped
+                scale = math.inf
             layer.set_grad(update * scale if scale != 1.0 else update)
 
     def memory_bytes(self) -> int:
@@ -696,9 +791,25 @@ class KFAC:
     )
 
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
-        """``steps``, the hyperparameters that are not callables, and (by default)
-        every layer's factors A and G by name (decompositions are not saved: they
-        are recomputed on load)."""
+        """What :meth:`load_state_dict` needs to continue the run exactly.
+
+        KAISA's keys: ``steps``, the hyperparameters that are not callables, and
+        (with ``include_factors``, the default) ``layers``: every layer's running
+        factors ``{"A": ..., "G": ...}`` by name. precond adds, with the factors,
+        ``second_order``: the decompositions (or inverses) this rank holds, by layer
+        name, as computed at the last inverse-update step, and ``ready``: the names
+        of the layers that had them. They were computed from the factors of that
+        step, which later factor updates have changed, so recomputing them from the
+        saved factors would not continue the run as it would have gone on; loading
+        them does, bit for bit, whatever the step of the checkpoint.
+
+        Every tensor is a copy; the dict holds only tensors, numbers, strings,
+        lists and dicts, so ``torch.save``/``torch.load(weights_only=True)``,
+        ``copy.deepcopy`` and ``pickle`` all work. Data parallel: save rank 0's
+        dict; with ``grad_worker_fraction < 1`` a rank holds the second-order
+        data of its own column only, and ranks of other columns recompute theirs
+        from the factors on load (see :meth:`load_state_dict`).
+        """
         state: dict[str, Any] = {"steps": self._steps}
         for name in self._HYPERPARAMETERS:
             value = getattr(self, "_" + name)
@@ -712,25 +823,126 @@ class KFAC:
                 }
                 for l in self.layers
             }
+            state["ready"] = [l.name for l in self.layers if self._ready[l.name]]
+            state["second_order"] = {
+                l.name: {key: t.clone() for key, t in l.second_order.items()}
+                for l in self.layers
+                if self._ready[l.name] and l.second_order
+            }
         return state
+
+    def _mismatch(self, entry: str, problem: str) -> ValueError:
+        return ValueError(
+            f"K-FAC state_dict does not match the model: {entry} {problem} (a "
+            "checkpoint of another model, or of K-FAC registering other layers?)"
+        )
+
+    def _check_tensor(self, entry: str, value: Any, shape: tuple) -> None:
+        if not isinstance(value, torch.Tensor):
+            kind = type(value).__name__
+            raise self._mismatch(entry, f"is a {kind}, expected a tensor of {shape}")
+        if tuple(value.shape) != shape:
+            raise self._mismatch(
+                entry, f"has shape {tuple(value.shape)}, expected {shape}"
+            )
+        if not value.is_floating_point():
+            raise self._mismatch(entry, f"has dtype {value.dtype}, expected a float")
+
+    def _saved_second_order(self, state_dict: Mapping[str, Any]) -> bool:
+        """Checks the saved second-order data; True if it holds everything this
+        rank's column needs (the same answer on every rank of a column)."""
+        ready, saved = state_dict.get("ready"), state_dict.get("second_order")
+        if ready is None or saved is None:
+            return False
+        names = {l.name for l in self.layers}
+        if not isinstance(ready, list | tuple) or not set(ready) <= names:
+            raise self._mismatch("'ready'", f"is {ready!r}, expected layer names")
+        for name in ready:
+            factors = state_dict["layers"][name]
+            if factors["A"] is None or factors["G"] is None:
+                raise self._mismatch(f"ready layer {name!r}", "has no factors")
+        if not isinstance(saved, Mapping) or not set(saved) <= set(ready):
+            raise self._mismatch(
+                "'second_order'", "is not a dict from ready layers' names to tensors"
+            )
+        complete = True
+        my_column = self.grid.column_of(self.communicator.rank)
+        for layer in self.layers:
+            held = saved.get(layer.name)
+            layout = {key: shape for key, _, shape in self._second_order_layout(layer)}
+            if held is None:
+                mine = self.assignment[layer.name].column == my_column
+                complete &= not (mine and layer.name in ready)
+                continue
+            if not isinstance(held, Mapping) or set(held) != set(layout):
+                # Another compute method (or its prediv option): recompute.
+                complete = False
+                continue
+            for key, shape in layout.items():
+                entry = f"second_order[{layer.name!r}][{key!r}]"
+                self._check_tensor(entry, held[key], shape)
+        return complete
 
     def load_state_dict(
         self, state_dict: dict[str, Any], compute_inverses: bool = True
     ) -> None:
-        """Restores a :meth:`state_dict`; recomputes (and redistributes) the
-        decompositions from the loaded factors unless ``compute_inverses=False``.
+        """Restores a :meth:`state_dict`.
 
-        Raises ``ValueError`` if the saved layers are not the registered ones.
+        The whole dict is checked before anything changes: a dict whose layers
+        are not the registered ones, or whose factors or second-order data do not
+        have this model's shapes (another model's checkpoint), raises
+        ``ValueError`` naming the first mismatching entry, e.g.
+        ``layers['fc']['A'] has shape (9, 9), expected (5, 5)``.
+
+        Second-order data (decompositions or inverses):
+
+        * a precond dict whose ``second_order`` holds everything this rank's
+          column uses (as saved: same compute method) is loaded as is, and the
+          run continues bit-identically to the one that saved it;
+        * otherwise (a KAISA-format dict with factors only, another compute
+          method, another column's data) it is recomputed from the saved
+          factors, unless ``compute_inverses=False``: then no layer is
+          preconditioned until the next inverse-update step. Recomputing is
+          exact only for a checkpoint taken right before an inverse-update step
+          (``steps % inv_update_steps == 0``): at any other step the factors have
+          moved on since the decompositions in use were computed.
+
+        A dict without factors (``include_factors=False``) restores ``steps`` and
+        the hyperparameters only.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"Invalid state_dict of type {type(state_dict).__name__}: must be a "
+                "dict from KFAC.state_dict()"
+            )
+        check_int("steps", state_dict.get("steps"), low=0)
+        checks = dict(_ARGUMENT_CHECKS)
+        for name in self._HYPERPARAMETERS:
+            if name in state_dict:
+                checks[name](name, state_dict[name])
         layers = state_dict.get("layers")
+        exact = False
         if layers is not None:
+            if not isinstance(layers, Mapping):
+                raise self._mismatch("'layers'", "is not a dict by layer name")
             saved, registered = set(layers), {l.name for l in self.layers}
             if saved != registered:
+                missing = [l.name for l in self.layers if l.name not in saved]
+                unexpected = [name for name in layers if name not in registered]
                 raise ValueError(
                     "K-FAC state_dict does not match the registered layers: "
-                    f"missing {sorted(registered - saved)}, "
-                    f"unexpected {sorted(saved - registered)}"
+                    f"missing {missing}, unexpected {unexpected}"
                 )
+            for layer in self.layers:
+                factors = layers[layer.name]
+                for attr, dim in (("A", layer.a_dim), ("G", layer.g_dim)):
+                    entry = f"layers[{layer.name!r}][{attr!r}]"
+                    if not isinstance(factors, Mapping) or attr not in factors:
+                        raise self._mismatch(entry, "is missing")
+                    if factors[attr] is not None:
+                        self._check_tensor(entry, factors[attr], (dim, dim))
+            exact = self._saved_second_order(state_dict)
+
         self._steps = int(state_dict["steps"])
         for name in self._HYPERPARAMETERS:
             if name in state_dict:
@@ -755,8 +967,31 @@ class KFAC:
                 setattr(layer, attr, saved_factor)
             layer.clear_contributions()
             layer.second_order.clear()
-        if compute_inverses:
+        if exact:
+            my_column = self.grid.column_of(self.communicator.rank)
+            for layer in self.layers:
+                if self.assignment[layer.name].column != my_column:
+                    continue
+                held = state_dict["second_order"].get(layer.name, {})
+                for key, tensor in held.items():
+                    layer.second_order[key] = tensor.to(
+                        dtype=self.inv_dtype,
+                        device=layer.module.weight.device,
+                        copy=True,
+                    )
+        elif compute_inverses:
+            logger.log(
+                self.loglevel,
+                "K-FAC recomputes the decompositions from the loaded factors",
+            )
             self._update_second_order()
+        else:
+            self._ready = dict.fromkeys(self._ready, False)
+            return
+        if "ready" in state_dict:
+            # As saved, on every rank (each column may have taken another branch).
+            ready = set(state_dict["ready"])
+            self._ready = {l.name: l.name in ready for l in self.layers}
 
 
 # KAISA ≥ 0.4 names the class ``kfac.preconditioner.KFACPreconditioner``.

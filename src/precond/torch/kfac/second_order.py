@@ -76,15 +76,38 @@ def kl_clip_scale(
     grads: list[torch.Tensor],
     lr: float,
     kl_clip: float,
+    exponents: list[int] | None = None,
 ) -> float:
-    """ν = min(1, √(κ / |Σ_ℓ lr² ⟨P_ℓ, ∇_ℓ⟩|)); 1 when the sum is 0 or not finite
-    (a non-finite gradient then stays in its own layer instead of spreading)."""
-    if not preconditioned:
+    """ν = min(1, √(κ / |Σ_ℓ lr² ⟨P_ℓ, ∇_ℓ⟩|)) with P_ℓ = 2^e_ℓ·``preconditioned[ℓ]``
+    and ∇_ℓ = 2^e_ℓ·``grads[ℓ]`` (e_ℓ = ``exponents[ℓ]``, default 0); 1 when the sum
+    is 0 or not finite (a non-finite gradient then stays in its own layer instead
+    of spreading).
+
+    Scale-safe: each ⟨·,·⟩ is summed in float64 and the powers of two are kept
+    apart from it, so ν is right (and clips) even where Σ lr²⟨P, ∇⟩ overflows
+    float32, or float64.
+    """
+    if not preconditioned or lr == 0.0:
         return 1.0
-    total = sum(
-        (p * g.to(p.dtype)).sum() for p, g in zip(preconditioned, grads, strict=True)
-    )
-    total = abs(float(total)) * lr**2
-    if total == 0.0 or not math.isfinite(total):
+    if exponents is None:
+        exponents = [0] * len(preconditioned)
+    inner = torch.stack(
+        [
+            (p.to(torch.float64) * g.to(device=p.device, dtype=torch.float64)).sum()
+            for p, g in zip(preconditioned, grads, strict=True)
+        ]
+    ).tolist()
+    if not all(math.isfinite(u) for u in inner):
         return 1.0
-    return min(1.0, math.sqrt(kl_clip / total))
+    # Σ_ℓ u_ℓ 4^e_ℓ = 4^E Σ_ℓ u_ℓ 4^(e_ℓ − E): no overflow for any exponents.
+    top = max(exponents)
+    pairs = zip(inner, exponents, strict=True)
+    total = abs(sum(math.ldexp(u, 2 * (e - top)) for u, e in pairs))
+    if total == 0.0:
+        return 1.0
+    if math.isinf(total):
+        return 0.0
+    # ν = √(κ / total) / lr · 2^−E, in logs: every factor may be out of range.
+    log_nu = 0.5 * (math.log(kl_clip) - math.log(total)) - math.log(lr)
+    log_nu -= top * math.log(2.0)
+    return 1.0 if log_nu >= 0.0 else math.exp(log_nu)
