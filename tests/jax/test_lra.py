@@ -39,6 +39,26 @@ def _random_factors(rng, n, r):
     )
 
 
+def _assert_same_factors(got, want, balanced):
+    """Equal U, V, d; after balancing, U and V are only defined up to UO, VO (O
+    orthogonal r×r), so compare UVᵀ, UUᵀ and VVᵀ (every later step depends on U
+    and V through these alone) and d."""
+    U, V, d = map(np.asarray, got)
+    want_u, want_v, want_d = want
+    np.testing.assert_allclose(d, want_d, rtol=1e-12, atol=1e-14)
+    if not balanced:
+        np.testing.assert_allclose(U, want_u, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(V, want_v, rtol=1e-12, atol=1e-14)
+    for left, right, want_left, want_right in (
+        (U, V, want_u, want_v),
+        (U, U, want_u, want_u),
+        (V, V, want_v, want_v),
+    ):
+        np.testing.assert_allclose(
+            left @ right.T, want_left @ want_right.T, rtol=1e-11, atol=1e-13
+        )
+
+
 @pytest.mark.parametrize("balance", [False, True], ids=["", "balance"])
 @pytest.mark.parametrize("update_u", [True, False], ids=["U-step", "V-step"])
 @pytest.mark.parametrize("order", ["2nd", "1st"])
@@ -59,8 +79,7 @@ def test_one_update_and_preconditioning_match_reference(order, update_u, balance
     want = ref.update(
         U, V, d, v, h, 0.1, order, update_u=update_u, balance_first=balance
     )
-    for got_x, want_x in zip(got, want, strict=True):
-        np.testing.assert_allclose(got_x, want_x, rtol=1e-12, atol=1e-14)
+    _assert_same_factors(got, want, balance)
     np.testing.assert_allclose(
         lra_precondition(*got, jnp.asarray(g)),
         ref.precondition(*want, g),
@@ -128,8 +147,87 @@ def test_fit_draws_its_decisions_from_the_key_and_scales_first():
         want = ref.update(
             U, V, d * scale, v, h_flat, 0.1, update_u=update_u, balance_first=balance
         )
-        for got_x, want_x in zip(got, want, strict=True):
-            np.testing.assert_allclose(got_x, want_x, rtol=1e-12, atol=1e-14)
+        _assert_same_factors(got, want, balance)
+
+
+def _imbalance(U, V):
+    """(‖U‖²_F + ‖V‖²_F)/(2‖UVᵀ‖_*): ≥ 1 for every factorization of UVᵀ, 1
+    exactly when UᵀU = VᵀV (the least-norm, balanced one)."""
+    nuclear = jnp.sum(jnp.linalg.svd(U @ V.T, compute_uv=False))
+    return (jnp.sum(U * U) + jnp.sum(V * V)) / (2 * nuclear)
+
+
+def _drift(U, V, rng, condition):
+    """U·R, V·R⁻ᵀ with R of the given condition number: the same UVᵀ (so the same
+    Q), and ‖UR‖_F = ‖VR⁻ᵀ‖_F, so scaling by one number cannot undo it."""
+    r = U.shape[1]
+    left, _ = np.linalg.qr(rng.normal(size=(r, r)))
+    right, _ = np.linalg.qr(rng.normal(size=(r, r)))
+    R = left @ np.diag(np.geomspace(1, condition, r)) @ right
+    U, V = U @ R, V @ np.linalg.inv(R).T
+    rho = np.sqrt(np.linalg.norm(U) / np.linalg.norm(V))
+    return U / rho, V * rho
+
+
+def test_balancing_undoes_the_drift_of_the_u_v_gauge():
+    """The long-run blow-up (NaN or a frozen fit after 2e4 to 1.5e5 steps at a
+    constant learning rate): U, V ↦ UR, VR⁻ᵀ leaves Q unchanged, the U and V steps
+    let that r×r gauge random-walk, and psgd-jax's rebalancing (U/ρ, V·ρ) fixes
+    only ‖U‖ = ‖V‖. ‖U‖ and ‖V‖ then grow (imbalance 300–1800 after 5e4 steps
+    in a float32 run of this problem, measured) while UVᵀ stays put, until
+    I + VᵀU is too ill-conditioned for float32 solves. Here, from such a drifted
+    state: (1) one rebalancing (float64, η = 0 so nothing else moves) restores
+    UᵀU = VᵀV with UVᵀ unchanged; (2) a float32 training run keeps the imbalance
+    near 1 (a rebalancing every ~100 steps; measured ≤ 1.1 at every 1000th
+    step of 3e5)."""
+    rng = np.random.default_rng(0)
+    n, r = 12, 4
+    U, V, d = _random_factors(rng, n, r)
+    U, V = _drift(U, V, rng, 1e3)
+    assert _imbalance(U, V) > 100
+    v, h = rng.normal(size=n), rng.normal(size=n)
+    new_u, new_v, new_d = lra_update(
+        *map(jnp.asarray, (U, V, d, v, h)), 0.0, update_u=True, balance=True
+    )
+    np.testing.assert_allclose(new_u @ new_v.T, U @ V.T, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(new_u.T @ new_u, new_v.T @ new_v, atol=1e-12)
+    np.testing.assert_allclose(_imbalance(new_u, new_v), 1, rtol=1e-12)
+    np.testing.assert_array_equal(new_d, d)
+
+    # (2) float32, r = n = 10 (where the drift was fastest): noisy gradients of
+    # ½xᵀHx, H rotated with eigenvalues 1…1e-3; 2000 steps to fit Q, the gauge
+    # drifted as after ~1e5 steps, 2000 more steps.
+    with jax.enable_x64(False):
+        n = 10
+        basis, _ = np.linalg.qr(rng.normal(size=(n, n)))
+        H = basis @ np.diag(np.geomspace(1, 1e-3, n)) @ basis.T
+        root = jnp.asarray(np.linalg.cholesky(H), jnp.float32)
+        H = jnp.asarray(H, jnp.float32)
+        optimizer = lra(learning_rate=0.05)
+
+        @jax.jit
+        def train(x, state, key):
+            def step(carry, key):
+                x, state = carry
+                g = H @ x + 0.1 * root @ jax.random.normal(key, (n,))
+                updates, state = optimizer.update(g, state, x)
+                U, V, _ = state[0].preconditioner
+                return (x + updates, state), _imbalance(U, V)
+
+            return jax.lax.scan(step, (x, state), jax.random.split(key, 2000))
+
+        x = jnp.asarray(rng.normal(size=n), jnp.float32)
+        (x, state), _ = train(x, optimizer.init(x), jax.random.PRNGKey(1))
+        U, V, d = map(np.asarray, state[0].preconditioner)
+        U, V = _drift(U.astype(np.float64), V.astype(np.float64), rng, 1e3)
+        assert _imbalance(U, V) > 100
+        factors = type(state[0].preconditioner)(
+            jnp.asarray(U, jnp.float32), jnp.asarray(V, jnp.float32), d
+        )
+        state = (state[0]._replace(preconditioner=factors), *state[1:])
+        (x, state), imbalance = train(x, state, jax.random.PRNGKey(2))
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state))
+    assert np.max(imbalance[1000:]) < 1.5, np.max(imbalance[1000:])
 
 
 def test_newton_fit_drives_p_h_to_identity():

@@ -25,10 +25,25 @@ def precondition(U, V, d, g):
     return p_matrix(U, V, d) @ g
 
 
+def _spd_sqrt(A):
+    w, X = np.linalg.eigh(A)
+    return (X * np.sqrt(w)) @ X.T
+
+
 def balance(U, V):
-    """U/ρ, V·ρ with ρ = sqrt(‖U‖_F/‖V‖_F): UVᵀ (so Q) unchanged."""
-    rho = np.sqrt(np.linalg.norm(U) / np.linalg.norm(V))
-    return U / rho, V * rho
+    """The gauge R ∈ GL(r) minimising ‖UR‖²_F + ‖VR⁻ᵀ‖²_F: UVᵀ (so Q) unchanged.
+
+    With A = UᵀU, B = VᵀV and S = RRᵀ the cost is tr(AS) + tr(BS⁻¹), stationary
+    where SAS = B: S = A⁻¹ # B = A^{-1/2}(A^{1/2}BA^{1/2})^{1/2}A^{-1/2} (the
+    geometric mean). With R = S^{1/2}: (UR)ᵀUR = RAR = R⁻¹BR⁻¹ = (VR⁻ᵀ)ᵀVR⁻ᵀ.
+    Needs U, V of full column rank (the factors are then unique up to UO, VO with
+    O orthogonal, which leaves UVᵀ, UUᵀ and VVᵀ, so every later step, unchanged).
+    """
+    A, B = U.T @ U, V.T @ V
+    root_a = _spd_sqrt(A)
+    inv_root_a = np.linalg.inv(root_a)
+    R = _spd_sqrt(inv_root_a @ _spd_sqrt(root_a @ B @ root_a) @ inv_root_a)
+    return U @ R, V @ np.linalg.inv(R).T
 
 
 def update(U, V, d, v, h, lr, order="2nd", *, update_u, balance_first=False):

@@ -20,6 +20,7 @@ from jax.flatten_util import ravel_pytree
 
 from precond._common.validation import check_int
 from precond.jax._alias import with_decay_and_learning_rate
+from precond.jax._kron_math import conj, conj_transpose, squared_magnitude
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
@@ -52,20 +53,51 @@ def _branch(pred, true_fn, false_fn, *operands):
 def lra_precondition(
     U: jax.Array, V: jax.Array, d: jax.Array, g: jax.Array
 ) -> jax.Array:
-    """P·g = QᵀQ·g = d⊙(I + VUᵀ)(I + UVᵀ)(d⊙g), in O(nr)."""
+    """P·g = QᵀQ·g = d⊙(I + VUᵀ)(I + UVᵀ)(d⊙g), in O(nr) (complex: P = QᴴQ,
+    d̄⊙(I + VUᴴ)(I + UVᴴ)(d⊙g))."""
     x = d * g
-    y = x + U @ (V.T @ x)
-    return d * (y + V @ (U.T @ y))
+    y = x + U @ (conj_transpose(V) @ x)
+    return conj(d) * (y + V @ (conj_transpose(U) @ y))
 
 
 def _rank2_spectral_norm(a, c, b, e):
-    """‖a cᵀ − b eᵀ‖₂ from 2×2 Gram matrices: the largest eigenvalue of
-    [a b]ᵀ[a b]·[c −e]ᵀ[c −e] is the squared norm."""
-    aa, ab, bb = a @ a, a @ b, b @ b
-    cc, ce, ee = c @ c, c @ e, e @ e
-    trace = jnp.maximum(aa * cc - 2 * ab * ce + bb * ee, 0)
-    det = (aa * bb - ab * ab) * (cc * ee - ce * ce)
+    """‖a cᵀ − b eᵀ‖₂ (‖a cᴴ − b eᴴ‖₂ if complex) from 2×2 Gram matrices: the
+    largest eigenvalue of [a b]ᴴ[a b]·[c −e]ᴴ[c −e] is the squared norm."""
+    aa, ab, bb = jnp.real(conj(a) @ a), conj(a) @ b, jnp.real(conj(b) @ b)
+    cc, ce, ee = jnp.real(conj(c) @ c), conj(c) @ e, jnp.real(conj(e) @ e)
+    trace = jnp.maximum(aa * cc - 2 * jnp.real(ab * conj(ce)) + bb * ee, 0)
+    det = (aa * bb - squared_magnitude(ab)) * (cc * ee - squared_magnitude(ce))
     return jnp.sqrt(trace / 2 + jnp.sqrt(jnp.maximum(trace * trace / 4 - det, 0)))
+
+
+def lra_balance(U: jax.Array, V: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The balanced factors of UVᵀ: (U·R, V·R⁻ᵀ) with UᵀU = VᵀV, the pair of
+    least ‖U‖²_F + ‖V‖²_F among all U·R, V·R⁻ᵀ (R ∈ GL(r)), which all give the
+    same UVᵀ, so the same Q.
+
+    With U = Q_u R_u, V = Q_v R_v (thin QR) and R_u R_vᵀ = XΣYᵀ (SVD, r×r):
+    U ← Q_u X Σ^{1/2}, V ← Q_v Y Σ^{1/2} (then UᵀU = VᵀV = Σ, ‖U‖²_F = ‖V‖²_F =
+    ‖UVᵀ‖_*). Only the r×r gauge R moves. The fit's U and V steps leave that gauge
+    free to drift: it walks off, ‖U‖ and ‖V‖ grow while UVᵀ stays, until
+    I + VᵀU is too ill-conditioned for the float32 r×r solves; scaling U and V by
+    one number ρ (psgd-jax) only fixes ‖U‖ = ‖V‖, not that drift.
+
+    Singular values of UVᵀ below τ = r·ε·Σ_11 (rounding level) are raised to τ:
+    a zero column in both U and V would never move again (each factor's step is
+    proportional to the other factor), while the drift lives in exactly those
+    near-null directions. If UVᵀ = 0 there is no scale: U and V are left as they
+    are.
+    """
+    q_u, r_u = jnp.linalg.qr(U)
+    q_v, r_v = jnp.linalg.qr(V)
+    x, sigma, y_t = jnp.linalg.svd(r_u @ r_v.T)
+    floor = U.shape[1] * jnp.finfo(U.dtype).eps * sigma[0]
+    root = jnp.sqrt(jnp.maximum(sigma, floor))
+    nonzero = sigma[0] > 0
+    return (
+        jnp.where(nonzero, q_u @ (x * root), U),
+        jnp.where(nonzero, q_v @ (y_t.T * root), V),
+    )
 
 
 def lra_update(
@@ -82,8 +114,9 @@ def lra_update(
 ) -> LRAFactors:
     """One PSGD step of Q = (I + UVᵀ)·diag(d) on the pair (v, h) (h ≈ H·v).
 
-    If ``balance``: ρ = sqrt(‖U‖_F/‖V‖_F), U ← U/ρ, V ← V·ρ (Q unchanged; skipped
-    if U or V is 0). With
+    If ``balance``: U, V ← :func:`lra_balance` (U, V) (Q unchanged; psgd-jax
+    only scaled them by one number, which lets the r×r gauge of U, V drift until
+    float32 solves fail, after ~10⁵ steps). With
     a = Qh, b = Q⁻ᵀv = (I + VUᵀ)⁻¹(v/d) and P⁻¹v = diag(1/d)(I + UVᵀ)⁻¹b (Woodbury,
     r×r solves), and Ph = d⊙(I + VUᵀ)a:
 
@@ -95,33 +128,31 @@ def lra_update(
       the rank-2 gradient G = EVVᵀ (or UUᵀE), μ = η/(‖a‖‖VVᵀa‖ + ‖b‖‖VVᵀb‖)
       (or UUᵀ; '2nd', a bound of ‖G‖₂ by its two terms) or η/‖G‖₂ ('1st', the
       exact spectral norm, as max|∇d| = ‖diag(∇d)‖₂ for d).
+
+    Complex (P = QᴴQ, Q = (I + UVᴴ)·diag(d)): every ᵀ above is ᴴ, b = Q⁻ᴴv,
+    ∇d = Ph⊙h̄ − v⊙conj(P⁻¹v), E = aaᴴ − bbᴴ and squares are |·|².
     """
     tiny = jnp.finfo(d.dtype).tiny
 
-    def rebalance(U, V):
-        norm_u, norm_v = jnp.linalg.norm(U), jnp.linalg.norm(V)
-        # A zero factor is left as is (ρ = 0 or ∞ would zero both or give NaN).
-        rho = jnp.where(
-            (norm_u > 0) & (norm_v > 0), jnp.sqrt(norm_u / jnp.maximum(norm_v, tiny)), 1
-        )
-        return U / rho, V * rho
-
-    U, V = _branch(balance, rebalance, lambda U, V: (U, V), U, V)
+    U, V = _branch(balance, lra_balance, lambda U, V: (U, V), U, V)
     r = U.shape[1]
     eye = jnp.eye(r, dtype=d.dtype)
-    UtV = U.T @ V
+    UtV = conj_transpose(U) @ V
     a = d * h
-    a = a + U @ (V.T @ a)  # Qh
-    Ph = d * (a + V @ (U.T @ a))
-    w = v / d
-    b = w - V @ jnp.linalg.solve(eye + UtV, U.T @ w)  # Q⁻ᵀv
-    iPv = (b - U @ jnp.linalg.solve(eye + UtV.T, V.T @ b)) / d  # P⁻¹v = Q⁻¹Q⁻ᵀv
+    a = a + U @ (conj_transpose(V) @ a)  # Qh
+    Ph = conj(d) * (a + V @ (conj_transpose(U) @ a))
+    w = v / conj(d)
+    b = w - V @ jnp.linalg.solve(eye + UtV, conj_transpose(U) @ w)  # Q⁻ᵀv
+    # P⁻¹v = Q⁻¹Q⁻ᵀv
+    iPv = (
+        b - U @ jnp.linalg.solve(eye + conj_transpose(UtV), conj_transpose(V) @ b)
+    ) / d
 
-    grad_d = Ph * h - v * iPv
+    grad_d = Ph * conj(h) - v * conj(iPv)
     if step_normalizer_order == "2nd":
         mu = precond_lr * jnp.min(
-            jax.lax.rsqrt(Ph * Ph + v * v + tiny)
-            * jax.lax.rsqrt(h * h + iPv * iPv + tiny)
+            jax.lax.rsqrt(squared_magnitude(Ph) + squared_magnitude(v) + tiny)
+            * jax.lax.rsqrt(squared_magnitude(h) + squared_magnitude(iPv) + tiny)
         )
     else:
         mu = precond_lr / (jnp.max(jnp.abs(grad_d)) + tiny)
@@ -137,16 +168,16 @@ def lra_update(
         return precond_lr / (norm + tiny)
 
     def step_u(U, V):
-        aV, bV = a @ V, b @ V
-        mu = step_size(V @ aV, V @ bV)  # VVᵀa, VVᵀb
-        right = eye + UtV.T  # I + VᵀU
+        aV, bV = conj(a) @ V, conj(b) @ V  # aᴴV, bᴴV
+        mu = step_size(V @ conj(aV), V @ conj(bV))  # VVᴴa, VVᴴb
+        right = eye + conj_transpose(UtV)  # I + VᴴU
         step = jnp.outer(a, aV @ right) - jnp.outer(b, bV @ right)
         return U - mu * step, V
 
     def step_v(U, V):
-        aU, bU = a @ U, b @ U
-        mu = step_size(U @ aU, U @ bU)  # UUᵀa, UUᵀb
-        step = jnp.outer(a + V @ aU, aU) - jnp.outer(b + V @ bU, bU)
+        aU, bU = conj(a) @ U, conj(b) @ U  # aᴴU, bᴴU
+        mu = step_size(U @ conj(aU), U @ conj(bU))  # UUᴴa, UUᴴb
+        step = jnp.outer(a + V @ conj(aU), aU) - jnp.outer(b + V @ conj(bU), bU)
         return U, V - mu * step
 
     U, V = _branch(update_u, step_u, step_v, U, V)
@@ -195,7 +226,10 @@ def lra_preconditioner(
             v = jax.random.normal(v_key, h.shape, h.dtype)
         else:
             v = ravel_pytree(v)[0].astype(d.dtype)
-        scale = (jnp.sum(v * v) / (jnp.sum(h * h) + jnp.finfo(d.dtype).tiny)) ** 0.25
+        scale = (
+            jnp.sum(squared_magnitude(v))
+            / (jnp.sum(squared_magnitude(h)) + jnp.finfo(d.dtype).tiny)
+        ) ** 0.25
         d = jnp.where(first, d * scale, d)
         with matmul_precision(precision), jax.named_scope("precond/lra/update"):
             return lra_update(
