@@ -1,9 +1,12 @@
-"""Helpers shared by the JAX tests: float64 mode, running updates, balancing seeds."""
+"""Helpers shared by the JAX tests: float64 mode, running updates, balancing seeds,
+the table of every optimizer."""
 
 import contextlib
 import importlib
 
 import jax
+
+import precond.jax as pj
 
 # The module, not the ``kron`` function that precond.jax re-exports under its name.
 kron_module = importlib.import_module("precond.jax.kron")
@@ -35,3 +38,48 @@ def seed_that_balances_at_step(step: int) -> int:
         if bool(balance):
             return seed
     raise AssertionError("no balancing seed found")
+
+
+def _kron(style, cache="packed"):
+    return lambda lr: pj.kron(
+        lr,
+        preconditioner_update_style=style,
+        preconditioner_cache=cache,
+        preconditioner_update_probability=0.5,
+    )
+
+
+def _shampoo(graft, quantised):
+    return lambda lr: pj.distributed_shampoo(
+        lr,
+        block_size=4,
+        graft_type=graft,
+        start_preconditioning_step=2,
+        best_effort_memory_usage_reduction=quantised,
+    )
+
+
+# name ↦ (learning rate ↦ optimizer): every public JAX optimizer and variant, for
+# the tables that run over all of them (robustness, checkpoints). Kron, XMat,
+# LRA and Affine update their preconditioner at random steps (probability
+# 0.5); Shampoo preconditions from step 2 on blocks of 4.
+EVERY_OPTIMIZER = {
+    "kron-EQ-packed": _kron("EQ"),
+    "kron-EQ-dense": _kron("EQ", "dense"),
+    "kron-EQ-none": _kron("EQ", None),
+    "kron-QUAD": _kron("QUAD"),
+    "kron-PRO": _kron("PRO"),
+    "xmat": lambda lr: pj.xmat(lr, preconditioner_update_probability=0.5),
+    "lra": lambda lr: pj.low_rank_approximation(
+        lr, preconditioner_update_probability=0.5
+    ),
+    "affine": lambda lr: pj.affine(lr, preconditioner_update_probability=0.5),
+    **{
+        f"shampoo-{graft.name}{'-int8' if quantised else ''}": _shampoo(
+            graft, quantised
+        )
+        for graft in pj.GraftingType
+        for quantised in (False, True)
+        if quantised is False or graft in (pj.GraftingType.SGD, pj.GraftingType.ADAGRAD)
+    },
+}

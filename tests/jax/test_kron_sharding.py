@@ -348,7 +348,7 @@ def test_state_from_another_mesh_is_an_error():
         state = pj.kron(**kwargs).init(params)  # 4 units padded to 8
     with (
         jax.set_mesh(jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])),
-        pytest.raises(ValueError, match="does not fit these gradients on this mesh"),
+        pytest.raises(ValueError, match="does not match these parameters"),
     ):
         pj.kron(**kwargs).update(params, state)
 

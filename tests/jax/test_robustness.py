@@ -28,50 +28,11 @@ import numpy as np
 import optax
 import pytest
 
-import precond.jax as pj
+from tests.jax.helpers import EVERY_OPTIMIZER as OPTIMIZERS
 
-
-def _kron(style, cache="packed"):
-    return lambda lr: pj.kron(
-        lr,
-        preconditioner_update_style=style,
-        preconditioner_cache=cache,
-        preconditioner_update_probability=0.5,
-    )
-
-
-def _shampoo(graft, quantised):
-    return lambda lr: pj.distributed_shampoo(
-        lr,
-        block_size=4,
-        graft_type=graft,
-        start_preconditioning_step=2,
-        best_effort_memory_usage_reduction=quantised,
-    )
-
-
-# name ↦ (learning rate ↦ optimizer), every public JAX optimizer and variant.
-OPTIMIZERS = {
-    "kron-EQ-packed": _kron("EQ"),
-    "kron-EQ-dense": _kron("EQ", "dense"),
-    "kron-EQ-none": _kron("EQ", None),
-    "kron-QUAD": _kron("QUAD"),
-    "kron-PRO": _kron("PRO"),
-    "xmat": lambda lr: pj.xmat(lr, preconditioner_update_probability=0.5),
-    "lra": lambda lr: pj.low_rank_approximation(
-        lr, preconditioner_update_probability=0.5
-    ),
-    "affine": lambda lr: pj.affine(lr, preconditioner_update_probability=0.5),
-    **{
-        f"shampoo-{graft.name}{'-int8' if quantised else ''}": _shampoo(
-            graft, quantised
-        )
-        for graft in pj.GraftingType
-        for quantised in (False, True)
-        if quantised is False or graft in (pj.GraftingType.SGD, pj.GraftingType.ADAGRAD)
-    },
-}
 NAMES = list(OPTIMIZERS)
+
+
 LEARNING_RATE = 0.01
 
 TARGET = {

@@ -56,3 +56,34 @@ def check_parameter_dtypes(params, optimizer: str, *, complex_ok: bool) -> None:
             f"{optimizer} needs floating-point parameters: {where}. Leave it out "
             "of the optimized tree (e.g. optax.masked or optax.set_to_zero)."
         )
+
+
+def check_state_matches(state, init_fn, params, updates, optimizer: str) -> None:
+    """Refuses, when ``update`` is traced, a state that ``init_fn`` would not
+    make for these parameters (e.g. a checkpoint of another model), naming the
+    first leaf that differs. Shapes are compared always, dtypes when ``params``
+    is given (the gradients' dtypes may differ from the parameters')."""
+    expected = jax.eval_shape(init_fn, updates if params is None else params)
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(state)
+    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(expected)
+    problem = None
+    for (got_path, got), (want_path, want) in zip(
+        got_leaves, want_leaves, strict=False
+    ):
+        where = jax.tree_util.keystr(want_path)
+        if got_path != want_path:
+            problem = f"it has {jax.tree_util.keystr(got_path)} where {where} belongs"
+        elif jnp.shape(got) != want.shape:
+            problem = f"{where} has shape {jnp.shape(got)}, expected {want.shape}"
+        elif params is not None and jnp.result_type(got) != want.dtype:
+            problem = f"{where} is {jnp.result_type(got)}, expected {want.dtype}"
+        if problem:
+            break
+    if problem is None and got_tree != want_tree:
+        problem = f"its structure is {got_tree}, expected {want_tree}"
+    if problem is not None:
+        raise ValueError(
+            f"{optimizer}: the state does not match these parameters: {problem} "
+            "(a state of another model, or made with other optimizer arguments or "
+            "on another mesh?)"
+        )

@@ -37,6 +37,7 @@ from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
 from precond.jax._guards import (
     all_finite,
     check_parameter_dtypes,
+    check_state_matches,
     gradients_are_usable,
 )
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
@@ -194,6 +195,7 @@ def scale_by_psgd(
         )
 
     def update_fn(updates, state: PSGDState, params=None, **extra_args):
+        check_state_matches(state, init_fn, params, updates, "PSGD")
         del params
         newton = newton_arguments(updates, extra_args)
         key, decision_key, fit_key = jax.random.split(state.key, 3)

@@ -25,6 +25,7 @@ from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._guards import (
     all_finite,
     check_parameter_dtypes,
+    check_state_matches,
     gradients_are_usable,
 )
 from precond.jax._kron_arguments import (
@@ -547,24 +548,13 @@ def scale_by_kron(
             return tuple(new_factors), None
         return tuple(new_factors), tuple(new_lipschitz)
 
-    def check_state_layout(state: KronState, stacks: list[StackPlan]) -> None:
-        want = [len(stack.extents) for stack in stacks]
-        got = [factors[0].shape[0] for factors in state.preconditioners]
-        if want != got:
-            raise ValueError(
-                "The Kron state does not fit these gradients on this mesh: its stacks "
-                f"hold {got} units, the gradients need {want}. Call init with params "
-                "of the same structure, under the same mesh and partition specs, as "
-                "update."
-            )
-
     def update_fn(updates, state: KronState, params=None, **extra_args):
-        del params
         newton = newton_arguments(updates, extra_args)
         if not jax.tree.leaves(updates):
             return updates, state._replace(count=_saturating_increment(state.count))
         treedef, plans, stacks, sharding = plan_tree(updates)
-        check_state_layout(state, stacks)
+        check_state_matches(state, init_fn, params, updates, "PSGD Kron")
+        del params
 
         def body(updates, state, newton):
             return sharded_update(
