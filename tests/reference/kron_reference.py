@@ -188,3 +188,73 @@ def update_factors_gen2(
         new_Qs.append(Q)
         new_Ls.append(L)
     return new_Qs, new_Ls
+
+
+# --- complex (Hermitian) PSGD Kron ---------------------------------------------
+# The same step for complex tensors (Li's PSGD is defined over ℂ): P = ⊗ Q_iᴴQ_i,
+# B = V ×_i Q_i^{-H}, T1 = A_(i)A_(i)ᴴ, T2 = B_(i)B_(i)ᴴ. For real inputs these
+# equal the functions above. Everything is complex128.
+
+
+def _complex_matrix(Q: np.ndarray) -> np.ndarray:
+    Q = np.asarray(Q, dtype=np.complex128)
+    return np.diag(Q) if Q.ndim == 1 else Q
+
+
+def _apply_kron_complex(matrices: Sequence[np.ndarray], X: np.ndarray) -> np.ndarray:
+    X = np.asarray(X, dtype=np.complex128)
+    K = reduce(np.kron, [np.asarray(M, dtype=np.complex128) for M in matrices])
+    return (K @ X.ravel()).reshape(X.shape)
+
+
+def preconditioner_matrix_hermitian(Qs: Sequence[np.ndarray]) -> np.ndarray:
+    """The dense Hermitian P = ⊗_i Q_iᴴQ_i."""
+    mats = [_complex_matrix(Q) for Q in Qs]
+    return reduce(np.kron, [M.conj().T @ M for M in mats])
+
+
+def precondition_hermitian(Qs: Sequence[np.ndarray], G: np.ndarray) -> np.ndarray:
+    """U with vec(U) = P·vec(G), P = ⊗_i Q_iᴴQ_i."""
+    G = np.asarray(G, dtype=np.complex128)
+    return (preconditioner_matrix_hermitian(Qs) @ G.ravel()).reshape(G.shape)
+
+
+def norm_lower_bound_hermitian(S: np.ndarray) -> float:
+    """lb(S) for a Hermitian S: s = max|S|, Ŝ = S/s, x = the column of Ŝ with the
+    largest norm, y = xᴴŜ/‖xᴴŜ‖, lb = s·‖yŜᴴ‖₂; 0 for S = 0."""
+    S = np.asarray(S, dtype=np.complex128)
+    s = np.max(np.abs(S))
+    if s == 0:
+        return 0.0
+    S_hat = S / s
+    j = int(np.argmax(np.sum(np.abs(S_hat) ** 2, axis=0)))
+    y = S_hat[:, j].conj() @ S_hat
+    y = y / np.linalg.norm(y)
+    return float(s * np.linalg.norm(y @ S_hat.conj().T))
+
+
+def update_factors_hermitian(
+    Qs: Sequence[np.ndarray], G: np.ndarray, V: np.ndarray, lr: float
+) -> list[np.ndarray]:
+    """:func:`update_factors` over ℂ: A = G ×_i Q_i, B = V ×_i Q_i^{-H} (explicit
+    inverses), T1 = A_(i)A_(i)ᴴ, T2 = B_(i)B_(i)ᴴ; triangular Q_i ← Q_i −
+    η/(lb(T1 + T2) + tiny)·triu(T1 − T2)·Q_i, diagonal q_i ← q_i − η/(max|T1 +
+    T2| + tiny)·(T1 − T2)⊙q_i with the (real) diagonals."""
+    mats = [_complex_matrix(Q) for Q in Qs]
+    A = _apply_kron_complex(mats, G)
+    B = _apply_kron_complex([np.linalg.inv(M).conj().T for M in mats], V)
+    new_Qs = []
+    for axis, Q in enumerate(Qs):
+        Q = np.asarray(Q, dtype=np.complex128)
+        A_i = np.moveaxis(A, axis, 0).reshape(A.shape[axis], -1)
+        B_i = np.moveaxis(B, axis, 0).reshape(B.shape[axis], -1)
+        T1 = A_i @ A_i.conj().T
+        T2 = B_i @ B_i.conj().T
+        if Q.ndim == 1:
+            t1, t2 = np.real(np.diag(T1)), np.real(np.diag(T2))
+            step = lr / (np.max(np.abs(t1 + t2)) + TINY)
+            new_Qs.append(Q - step * (t1 - t2) * Q)
+        else:
+            step = lr / (norm_lower_bound_hermitian(T1 + T2) + TINY)
+            new_Qs.append(Q - step * np.triu(T1 - T2) @ Q)
+    return new_Qs

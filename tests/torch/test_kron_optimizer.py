@@ -11,6 +11,7 @@ precond.jax's schedule, or precond._common.factor_plan's structure rule.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import math
 import pickle
@@ -232,17 +233,27 @@ def test_sparse_gradient_is_refused():
     assert not optimizer.state
 
 
-def test_complex_parameter_is_refused():
+def test_integer_parameters_and_complex_with_generation_2_are_refused():
+    """Integer tensors cannot carry gradients: refused at construction rather
+    than ignored. Complex parameters work with 'EQ' only (test_kron_parity)."""
     real = torch.nn.Parameter(torch.randn(3))
-    for p in (
-        torch.nn.Parameter(torch.randn(3, dtype=torch.complex64)),
-        torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex128)),
-    ):
-        with pytest.raises(TypeError, match=rf"{p.dtype}.*real parameters"):
-            Kron([real, p])
+    refused = [
+        (torch.arange(3), {}, r"torch.int64: Kron supports floating and complex"),
+        (torch.zeros(2, 2, dtype=torch.int32), {}, r"torch.int32: Kron supports"),
+        (torch.zeros(3, dtype=torch.bool), {}, r"torch.bool: Kron supports"),
+        (
+            torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex64)),
+            dict(preconditioner_update_style="QUAD"),
+            r"complex64 with preconditioner_update_style='QUAD'.*only 'EQ'",
+        ),
+    ]
+    for p, kwargs, message in refused:
+        with pytest.raises(TypeError, match=message):
+            Kron([real, p], **kwargs)
         optimizer = Kron([real])
-        with pytest.raises(TypeError, match="real parameters"):
-            optimizer.add_param_group({"params": [p]})
+        with pytest.raises(TypeError, match=message):
+            optimizer.add_param_group({"params": [p], **kwargs})
+        assert len(optimizer.param_groups) == 1
 
 
 # --- checkpoints ----------------------------------------------------------------
@@ -382,6 +393,172 @@ def test_state_dict_with_default_schedule_can_be_saved():
     restored.load_state_dict(torch.load(buffer, weights_only=True))
 
 
+def test_resume_at_every_step_of_a_cycle_is_bit_identical():
+    """Save (torch.save, weights_only load) after each of steps 0..8 of a run
+    whose factors are fitted at steps 3, 6 and 9 (update probability 0.4), so
+    every position in the fit cycle is saved: before, on and after a fit. Each
+    restored model and optimizer, continued to step 9, equals the uninterrupted
+    run bit for bit, parameters and optimizer state."""
+    hyper = dict(
+        lr=0.01,
+        weight_decay=0.01,
+        seed=3,
+        preconditioner_update_probability=CHECKPOINT_PROBABILITY,
+        preconditioner_cache="packed",
+    )
+    total = 9
+    model = _model(torch.float32)
+    optimizer = Kron(model.parameters(), **hyper)
+    checkpoints = []
+    for step in range(total):
+        buffer = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": optimizer.state_dict()}, buffer)
+        checkpoints.append(buffer.getvalue())
+        _train(model, optimizer, 1, start=step)
+    fits = _update_steps([CHECKPOINT_PROBABILITY] * total)
+    assert fits == [3, 6, 9]
+    for step, saved in enumerate(checkpoints):
+        checkpoint = torch.load(io.BytesIO(saved), weights_only=True)
+        restored = _model(torch.float32)
+        restored.load_state_dict(checkpoint["model"])
+        restored_opt = Kron(restored.parameters(), **hyper)
+        restored_opt.load_state_dict(checkpoint["opt"])
+        _train(restored, restored_opt, total - step, start=step)
+        for p, q in zip(model.parameters(), restored.parameters(), strict=True):
+            assert torch.equal(p, q), step
+        _assert_state_equal(restored_opt.state_dict(), optimizer.state_dict())
+
+
+def _edited(state_dict, edit):
+    state_dict = copy.deepcopy(state_dict)
+    edit(state_dict)
+    return state_dict
+
+
+def _set_group(key, value):
+    def edit(state_dict):
+        state_dict["param_groups"][0][key] = value
+
+    return edit
+
+
+def _drop(key):
+    def edit(state_dict):
+        del state_dict["state"][0][key]
+
+    return edit
+
+
+# (name, how the target differs or the saved state is edited, message).
+MISMATCHED_LOADS = [
+    (
+        "other shapes",
+        dict(hidden=8),
+        None,
+        r"parameter 0 \(group 0\) 'momentum' has shape \(16, 6\), expected \(8, 6\)",
+    ),
+    ("fewer parameters", dict(layers=1), None, r"group 0 has 4 parameters, expected 2"),
+    ("more groups", dict(groups=2), None, r"1 param groups, expected 2"),
+    (
+        "complex for real",
+        dict(dtype=torch.complex64),
+        None,
+        r"'momentum' has dtype torch.float32, expected a complex dtype",
+    ),
+    (
+        "factor structure",
+        {},
+        _set_group("memory_save_mode", "all_diag"),
+        r"parameter 0 \(group 0\) 'Q'\[0\] has shape \(16, 16\), expected \(16,\)",
+    ),
+    (
+        "factor layout",
+        {},
+        _set_group("preconditioner_cache", "packed"),
+        r"'Q'\[0\] has shape \(16, 16\), expected \(17, 16\)",
+    ),
+    (
+        "missing Lipschitz estimates",
+        {},
+        _set_group("preconditioner_update_style", "QUAD"),
+        r"parameter 0 \(group 0\) state lacks 'lipschitz'",
+    ),
+    ("missing momentum", {}, _drop(MOMENTUM), r"state lacks 'momentum'"),
+    (
+        "bad step count",
+        {},
+        lambda sd: sd["state"][0].update(step=-1),
+        r"'step' is -1, expected an int >= 0",
+    ),
+    (
+        "unknown parameter",
+        {},
+        lambda sd: sd["state"].update({99: sd["state"][0]}),
+        r"state for parameter 99, which no group lists",
+    ),
+    (
+        "too few factors",
+        {},
+        lambda sd: sd["state"][1][FACTORS].pop(),
+        r"parameter 1 \(group 0\) 'Q' has 0 factors, expected 1",
+    ),
+]
+
+
+def _mlp(hidden=16, layers=2, dtype=torch.float32):
+    torch.manual_seed(0)
+    modules = [torch.nn.Linear(6, hidden)]
+    if layers == 2:
+        modules += [torch.nn.Tanh(), torch.nn.Linear(hidden, 3)]
+    return torch.nn.Sequential(*modules).to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
+@pytest.mark.parametrize(
+    ("target", "edit", "message"),
+    [case[1:] for case in MISMATCHED_LOADS],
+    ids=[case[0] for case in MISMATCHED_LOADS],
+)
+def test_mismatched_state_dict_is_refused_at_load(target, edit, message):
+    """Another model's (or an edited) state dict is refused by load_state_dict
+    with a ValueError naming the first mismatching entry, and the target keeps
+    its own state and hyperparameters; the unedited state loads (the oracle)."""
+    source = _mlp()
+    source_opt = Kron(source.parameters(), lr=0.01)
+    _train(source, source_opt, 1, start=0)
+    saved = source_opt.state_dict()
+    if edit is not None:
+        saved = _edited(saved, edit)
+    groups = target.pop("groups", 1)
+    model = _mlp(**target)
+    params = list(model.parameters())
+    if groups == 2:
+        params = [{"params": params[:2]}, {"params": params[2:]}]
+    optimizer = Kron(params, lr=0.5)
+    if model[0].weight.is_complex():
+        model[0].weight.grad = torch.ones_like(model[0].weight)
+        optimizer.step()
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(ValueError, match="Invalid state_dict: .*" + message):
+        optimizer.load_state_dict(saved)
+    _assert_state_equal(optimizer.state_dict(), before)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    # The oracle: the same state, unedited, into the source's own layout loads.
+    fresh = Kron(_mlp().parameters(), lr=0.5)
+    fresh.load_state_dict(source_opt.state_dict())
+    assert fresh.param_groups[0]["lr"] == 0.01
+
+
+def test_every_argument_is_validated_and_has_a_bad_case():
+    """The validation table names every constructor argument but the
+    optimizer-wide ones, and BAD_ARGUMENTS exercises every argument."""
+    names = set(inspect.signature(Kron).parameters) - {"params"}
+    table = {name for name, _ in kron_module.GROUP_ARGUMENTS}
+    assert names == table | {"seed", "strategy", "compile_kernels"}
+    covered = {name for kwargs, *_ in BAD_ARGUMENTS for name in kwargs}
+    assert names == covered
+
+
 # --- bad input ------------------------------------------------------------------
 
 BAD_ARGUMENTS = [
@@ -453,9 +630,84 @@ BAD_ARGUMENTS = [
     ),
     (
         dict(merge_small_dims=1),
-        ValueError,
-        r"Invalid merge_small_dims=1: must be one of True, False",
+        TypeError,
+        r"Invalid merge_small_dims=1: must be True or False",
     ),
+    (
+        dict(merge_small_dims="no"),
+        TypeError,
+        r"Invalid merge_small_dims='no': must be True or False",
+    ),
+    (
+        dict(momentum_into_precond_update="no"),
+        TypeError,
+        r"Invalid momentum_into_precond_update='no': must be True or False",
+    ),
+    (
+        dict(momentum_into_precond_update=None),
+        TypeError,
+        r"Invalid momentum_into_precond_update=None: must be True or False",
+    ),
+    (
+        dict(compile_kernels="yes"),
+        TypeError,
+        r"Invalid compile_kernels='yes': must be True or False",
+    ),
+    (dict(lr="0.1"), TypeError, r"Invalid lr='0.1': must be a number"),
+    (dict(lr=True), TypeError, r"Invalid lr=True: must be a number"),
+    (dict(b1=float("inf")), ValueError, r"Invalid b1=inf: must be in \[0.0, 1.0\)"),
+    (dict(weight_decay=None), TypeError, r"Invalid weight_decay=None: must be a"),
+    (
+        dict(preconditioner_update_probability="1"),
+        TypeError,
+        r"Invalid preconditioner_update_probability='1': must be a number",
+    ),
+    (
+        dict(max_size_triangular=True),
+        TypeError,
+        r"Invalid max_size_triangular=True: must be a Python int",
+    ),
+    (
+        dict(min_ndim_triangular=2.0),
+        TypeError,
+        r"Invalid min_ndim_triangular=2.0: must be a Python int",
+    ),
+    (
+        dict(precond_lr=float("nan")),
+        ValueError,
+        r"Invalid precond_lr=nan: must be finite and >= 0",
+    ),
+    (
+        dict(precond_init_scale=float("inf")),
+        ValueError,
+        r"Invalid precond_init_scale=inf: must be finite and > 0",
+    ),
+    (
+        dict(max_skew_triangular=float("nan")),
+        ValueError,
+        r"Invalid max_skew_triangular=nan: must be finite and >= 0",
+    ),
+    (
+        dict(target_merged_dim_size=8.0),
+        TypeError,
+        r"Invalid target_merged_dim_size=8.0: must be a Python int",
+    ),
+    (
+        dict(preconditioner_cache="none"),
+        ValueError,
+        r"Invalid preconditioner_cache='none': must be one of 'packed', 'dense', None",
+    ),
+    (
+        dict(memory_save_mode=0),
+        ValueError,
+        r"Invalid memory_save_mode=0: must be one of None",
+    ),
+    (
+        dict(mu_dtype=torch.complex64),
+        TypeError,
+        r"Invalid mu_dtype=torch.complex64: must be None or a floating torch.dtype",
+    ),
+    (dict(seed=True), TypeError, r"Invalid seed=True: must be a Python int"),
     (dict(seed=1.5), TypeError, r"Invalid seed=1.5: must be a Python int"),
     (
         dict(strategy="ddp"),
@@ -478,7 +730,8 @@ def test_bad_hyperparameters_name_argument_value_and_range(kwargs, error, messag
     params = make_params([(3,)])
     with pytest.raises(error, match=message):
         Kron(params, **kwargs)
-    if not kwargs.keys() & {"seed", "strategy"}:  # optimizer-wide; the rest per group
+    optimizer_wide = {"seed", "strategy", "compile_kernels"}
+    if not kwargs.keys() & optimizer_wide:  # the rest are per group
         optimizer = Kron(params)
         with pytest.raises(error, match=message):
             optimizer.add_param_group({"params": make_params([(2,)]), **kwargs})
@@ -552,6 +805,92 @@ def test_huge_finite_gradient_is_not_mistaken_for_a_non_finite_one():
     # The update is clipped to RMS 1.1: a step of RMS lr·1.1.
     rms = (before - p.detach()).square().mean().sqrt().item()
     assert rms == pytest.approx(0.11, rel=1e-12)
+
+
+# (parameter dtype, the bad entry, whether the step is skipped). Skipped exactly
+# when Σ|g|² overflows the working precision: float32 (bfloat16 and complex64
+# included) from |g| ≈ 1.845e19, float64 far beyond.
+HUGE_GRADIENTS = [
+    (torch.float32, 1e20, True),  # the issue's reproduction
+    (torch.float32, 1.9e19, True),
+    (torch.float32, 3.4e38, True),  # ~float32 max
+    (torch.float32, -1e30, True),
+    (torch.bfloat16, 1e20, True),
+    (torch.complex64, 1e20j, True),
+    (torch.float32, 1e19, False),  # squares to 1e38: usable
+    (torch.float64, 1e20, False),
+]
+
+
+@pytest.mark.parametrize(("dtype", "bad", "skipped"), HUGE_GRADIENTS, ids=str)
+def test_gradient_whose_square_overflows_is_skipped(dtype, bad, skipped):
+    """The issue's case: one entry of 1e20 in a (4, 3) gradient used to turn the
+    factors NaN for good. Now a step whose Σ|g|² overflows its working precision
+    leaves the state bit-identical and the run equals one without that step;
+    a usable huge step is taken and the state stays finite."""
+    hyper = dict(lr=1e-3, preconditioner_update_probability=1.0)
+    normal = [
+        [torch.randn((4, 3), generator=torch.Generator().manual_seed(n)).to(dtype)]
+        for n in range(4)
+    ]
+    huge = torch.ones((4, 3), dtype=dtype)
+    huge[0, 0] = bad
+    w = torch.nn.Parameter(torch.zeros((4, 3), dtype=dtype))
+    optimizer = Kron([w], **hyper)
+    run(optimizer, [w], normal[:2])
+    state = copy.deepcopy(optimizer.state_dict())
+    before = w.detach().clone()
+    run(optimizer, [w], [[huge]])
+    if skipped:
+        _assert_state_equal(optimizer.state_dict(), state)
+        assert torch.equal(w, before)
+    else:
+        assert optimizer.state[w][STEP] == 3
+    run(optimizer, [w], normal[2:])
+    entry = optimizer.state[w]
+    for tensor in [w.detach(), entry[MOMENTUM], *entry[FACTORS]]:
+        assert torch.isfinite(
+            torch.view_as_real(tensor) if tensor.is_complex() else tensor
+        ).all()
+    if skipped:
+        oracle = torch.nn.Parameter(torch.zeros((4, 3), dtype=dtype))
+        oracle_opt = Kron([oracle], **hyper)
+        run(oracle_opt, [oracle], normal)
+        assert torch.equal(w, oracle)
+        _assert_state_equal(optimizer.state_dict(), oracle_opt.state_dict())
+
+
+def test_fit_that_overflows_keeps_the_old_factors():
+    """A usable gradient (1e17: Σ|g|² ≈ 1e34 is finite) met by large factors
+    (Q_i = 1e3·I) overflows the fit's grams (|A|² ≈ 1e46): that parameter keeps
+    its old factors while its momentum and step count advance; a same-shaped
+    parameter in the same stack fits as it would alone (the decision is per
+    stack entry)."""
+    hyper = dict(lr=1e-3, precond_init_scale=1e6, preconditioner_update_probability=1)
+    fine, large = make_params([(4, 3), (4, 3)], dtype=torch.float32)
+    alone = make_params([(4, 3)], dtype=torch.float32)
+    optimizer = Kron([fine, large], **hyper)
+    alone_opt = Kron(alone, **hyper)
+    g = torch.randn((4, 3), generator=torch.Generator().manual_seed(3))
+    huge = g.clone()
+    huge[1, 2] = 1e17
+    run(optimizer, [fine, large], [[g, g]])
+    run(alone_opt, alone, [[g]])
+    kept = [Q.clone() for Q in optimizer.state[large][FACTORS]]
+    run(optimizer, [fine, large], [[g, huge]])
+    run(alone_opt, alone, [[g]])
+    entry = optimizer.state[large]
+    assert entry[STEP] == 2
+    assert all(torch.equal(Q, K) for Q, K in zip(entry[FACTORS], kept, strict=True))
+    assert torch.isfinite(entry[MOMENTUM]).all()
+    assert torch.isfinite(large).all()
+    assert entry[MOMENTUM].abs().max() > 1e15  # the step was taken
+    for Q, R in zip(
+        optimizer.state[fine][FACTORS], alone_opt.state[alone[0]][FACTORS], strict=True
+    ):
+        torch.testing.assert_close(Q, R, rtol=1e-6, atol=0)
+        assert not torch.equal(Q, kept[0] if Q.shape == kept[0].shape else kept[1])
+    torch.testing.assert_close(fine, alone[0], rtol=1e-6, atol=1e-9)
 
 
 # --- the update-probability schedule -------------------------------------------

@@ -7,8 +7,13 @@ Symbols (Li 2015, arXiv:1512.04202; Li 2018, arXiv:1809.10232):
 
 * ``G``: (B, d_1, …, d_k) gradients (or momenta) of B equal-shaped tensors.
 * ``Qs``: per axis, (B, d, d) upper-triangular factors or (B, d) diagonal ones;
-  the preconditioner of stack entry b is P_b = ⊗_i Q_{b,i}ᵀQ_{b,i}.
+  the preconditioner of stack entry b is P_b = ⊗_i Q_{b,i}ᴴQ_{b,i}.
 * ``V``: standard normal noise shaped like ``G``.
+
+Complex tensors are supported throughout (Li's PSGD is defined for them): P is
+Hermitian, P = ⊗ Q_iᴴQ_i, grams are X_(i)X_(i)ᴴ, B uses Q_i^{-H}, and triangular
+factors keep a real positive diagonal. For real tensors ``conj`` is a no-op, so
+the real results are unchanged (ᴴ reads as ᵀ).
 """
 
 from __future__ import annotations
@@ -64,22 +69,24 @@ def apply_along_axes(factors: Sequence[torch.Tensor], X: torch.Tensor) -> torch.
 
 
 def unfold_gram(X: torch.Tensor, axis: int, diagonal: bool) -> torch.Tensor:
-    """X_(i) X_(i)ᵀ per stack entry: (B, d, d), or its diagonal (B, d)."""
+    """X_(i) X_(i)ᴴ per stack entry: (B, d, d), or its (real) diagonal (B, d)."""
     rows, _ = _rows(X, axis)
     if diagonal:
+        if rows.is_complex():
+            return torch.view_as_real(rows).square().sum(dim=(1, 3))
         return (rows * rows).sum(dim=1)
-    return torch.bmm(rows.transpose(1, 2), rows)
+    return torch.bmm(rows.transpose(1, 2), rows.conj())
 
 
 def solve_transposed_along_axis(
     Q: torch.Tensor, X: torch.Tensor, axis: int
 ) -> torch.Tensor:
-    """X ×_axis Q^{-T} for upper-triangular Q (a vector Q divides)."""
+    """X ×_axis Q^{-H} for upper-triangular Q (a vector Q divides by conj(q))."""
     if Q.ndim == 2:
-        return X / _along(Q, X, axis)
+        return X / _along(Q.conj(), X, axis)
     rows, moved = _rows(X, axis)
-    # Row-vector form of Q^{-T} x: solve y Q = xᵀ for y.
-    solved = torch.linalg.solve_triangular(Q, rows, upper=True, left=False)
+    # Row-vector form of Q^{-H} x = conj(Q)^{-T} x: solve y conj(Q) = xᵀ for y.
+    solved = torch.linalg.solve_triangular(Q.conj(), rows, upper=True, left=False)
     return _unrows(solved, moved, axis)
 
 
@@ -87,18 +94,24 @@ def norm_lower_bound(S: torch.Tensor) -> torch.Tensor:
     """A cheap lower bound on the spectral norm ‖S_b‖₂ of each (B, d, d) entry.
 
     With s = max|S|, Ŝ = S/s and x the column of Ŝ with the largest norm,
-    returns s·‖Ŝ Ŝᵀ x‖/‖Ŝᵀ x‖; within a factor √d of ‖S‖₂. Returns 0 for S = 0.
+    returns s·‖Ŝ Ŝᴴ x‖/‖Ŝᴴ x‖ (y = xᴴŜ normalised, s·‖yŜᴴ‖); within a factor
+    √d of ‖S‖₂. Returns 0 for S = 0.
     """
     scale = S.abs().amax(dim=(1, 2))
     safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    S_hat = S / safe_scale[:, None, None]
-    column = (S_hat * S_hat).sum(dim=1).argmax(dim=1)
+    S_hat = S / safe_scale[:, None, None].to(S.dtype)
+    squares = (
+        torch.view_as_real(S_hat).square().sum(dim=-1)
+        if S_hat.is_complex()
+        else S_hat * S_hat
+    )
+    column = squares.sum(dim=1).argmax(dim=1)
     x = torch.take_along_dim(S_hat, column[:, None, None], dim=2)[..., 0]
-    y = torch.bmm(x[:, None, :], S_hat)[:, 0]
+    y = torch.bmm(x.conj()[:, None, :], S_hat)[:, 0]
     y_norm = torch.linalg.vector_norm(y, dim=1, keepdim=True)
-    y = y / torch.where(y_norm > 0, y_norm, torch.ones_like(y_norm))
+    y = y / torch.where(y_norm > 0, y_norm, torch.ones_like(y_norm)).to(y.dtype)
     bound = safe_scale * torch.linalg.vector_norm(
-        torch.bmm(y[:, None, :], S_hat.transpose(1, 2))[:, 0], dim=1
+        torch.bmm(y[:, None, :], S_hat.mH)[:, 0], dim=1
     )
     return torch.where(scale > 0, bound, torch.zeros_like(bound))
 
@@ -121,8 +134,8 @@ def update_factors(
 ) -> list[torch.Tensor]:
     """One PSGD step on the Kronecker factors, fitting P = ⊗ Q_iᵀQ_i to (G, V).
 
-    A = G ×_1 Q_1 … ×_k Q_k and B = V ×_1 Q_1^{-T} … ×_k Q_k^{-T}; per axis, with
-    T1 = A_(i)A_(i)ᵀ and T2 = B_(i)B_(i)ᵀ (diagonals only for diagonal factors):
+    A = G ×_1 Q_1 … ×_k Q_k and B = V ×_1 Q_1^{-H} … ×_k Q_k^{-H}; per axis, with
+    T1 = A_(i)A_(i)ᴴ and T2 = B_(i)B_(i)ᴴ (diagonals only for diagonal factors):
 
         triangular: Q_i ← Q_i − η / (lb(T1 + T2) + tiny) · triu(T1 − T2) · Q_i
         diagonal:   q_i ← q_i − η / (max|T1 + T2| + tiny) · (T1 − T2) ⊙ q_i
@@ -161,20 +174,20 @@ def balance_factors(Qs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def factor_gram(Q: torch.Tensor) -> torch.Tensor:
-    """P_i = Q_iᵀQ_i per entry for matrix factors, q_i² for diagonal ones."""
-    return Q * Q if Q.ndim == 2 else torch.bmm(Q.transpose(1, 2), Q)
+    """P_i = Q_iᴴQ_i per entry for matrix factors, |q_i|² for diagonal ones."""
+    return Q * Q.conj() if Q.ndim == 2 else torch.bmm(Q.mH, Q)
 
 
 def precondition(Qs: Sequence[torch.Tensor], G: torch.Tensor) -> torch.Tensor:
-    """U = P·G = G ×_1 Q_1ᵀQ_1 … ×_k Q_kᵀQ_k, applying Q_i then Q_iᵀ per axis."""
+    """U = P·G = G ×_1 Q_1ᴴQ_1 … ×_k Q_kᴴQ_k, applying Q_i then Q_iᴴ per axis."""
     for axis, Q in enumerate(Qs):
         G = mode_product(G, Q, axis)
-        G = mode_product(G, Q if Q.ndim == 2 else Q.transpose(1, 2), axis)
+        G = mode_product(G, Q.conj() if Q.ndim == 2 else Q.mH, axis)
     return G
 
 
 def pack_factor(Q: torch.Tensor) -> torch.Tensor:
-    """Packs each upper-triangular Q and P = QᵀQ into one (B, d + 1, d) array: Q
+    """Packs each upper-triangular Q and P = QᴴQ into one (B, d + 1, d) array: Q
     in the upper triangle, P's strict lower triangle below it, diag(P) last."""
     P = factor_gram(Q)
     body = torch.triu(Q) + torch.tril(P, -1)
@@ -187,9 +200,9 @@ def unpack_factor(packed: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_gram(packed: torch.Tensor) -> torch.Tensor:
-    """The symmetric P = QᵀQ stored in a packed factor."""
+    """The symmetric (Hermitian) P = QᴴQ stored in a packed factor."""
     strict_lower = torch.tril(packed[:, :-1], -1)
-    return strict_lower + strict_lower.transpose(1, 2) + torch.diag_embed(packed[:, -1])
+    return strict_lower + strict_lower.mH + torch.diag_embed(packed[:, -1])
 
 
 # Generation-2 update rules (Kron's preconditioner_update_style): no triangular solves.

@@ -24,7 +24,12 @@ from precond._common.factor_plan import (
     plan_diagonal_axes,
 )
 from precond._common.schedules import check_update_prob_schedule
-from precond._common.validation import check_choice, check_int, check_real
+from precond._common.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+)
 from precond.torch import _kron_math as km
 from precond.torch.strategies import Replicated, Strategy
 
@@ -109,14 +114,33 @@ def balance_draw(seed: int, step: int) -> float:
     return float(torch.rand((), generator=generator))
 
 
+def _working_view(g: torch.Tensor) -> torch.Tensor:
+    """``g`` flattened in its working precision (float32, or float64 for float64
+    and complex128), complex entries as (real, imaginary) pairs."""
+    if g.is_complex():
+        wide = g.dtype == torch.complex128
+        return torch.view_as_real(g if wide else g.to(torch.complex64)).reshape(-1)
+    return (g if g.dtype == torch.float64 else g.to(torch.float32)).reshape(-1)
+
+
 def _all_finite(grads: list[torch.Tensor]) -> bool:
-    """True when no gradient has a NaN or ±Inf entry: one sum per gradient, and
-    the exact entrywise check only if a sum is not finite (NaN, Inf, or a finite
-    but huge gradient whose sum overflows). One host sync per step."""
-    sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+    """True when every gradient's squared norm Σ|g|² is finite in its working
+    precision (float32, or float64 for float64/complex128 gradients): False for
+    NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
+    that their squares overflow, as :func:`precond.jax.kron`'s guard. One dot
+    product per gradient, one host sync per step."""
+    return bool(
+        torch.stack(
+            [torch.isfinite(torch.dot(x, x)) for x in map(_working_view, grads)]
+        ).all()
+    )
+
+
+def _complex_of(dtype: torch.dtype) -> torch.dtype:
+    """The complex dtype of at least ``dtype``'s precision (complex64 at least)."""
+    if dtype in (torch.float64, torch.complex128):
+        return torch.complex128
+    return torch.complex64
 
 
 def unit_noise(shape, seed: int, step: int, index: int, dtype, device) -> torch.Tensor:
@@ -146,10 +170,21 @@ class Kron(torch.optim.Optimizer):
        ``update_factors`` step on (m̂ + 2^-11.5·mean|m̂|·V, V).
     3. U = (⊗_i Q_iᵀQ_i)·m̂, U ← U / max(1, RMS(U)/1.1), θ ← θ − lr·(U + λθ).
 
-    A step in which any gradient has a NaN or ±Inf entry changes no state
-    (momentum, factors, counters) and no parameter except by weight decay, as
-    :func:`precond.jax.kron` does. ``None`` gradients are skipped; sparse and
-    complex gradients are refused.
+    Non-finite and huge gradients, as :func:`precond.jax.kron`: a step in which
+    some gradient's squared norm Σ|g|² is not finite in its working precision
+    (float32, or float64 for float64 parameters) is *skipped*: no state changes
+    (momentum, factors, counters) and no parameter moves except by weight decay.
+    That covers NaN and ±Inf entries and finite entries from about 1.8e19 (in
+    float32), whose squares overflow and would poison the factors for good. A
+    factor fit that still overflows (a large gradient met by large factors)
+    keeps the parameter's old factors; the step itself proceeds.
+
+    Complex parameters are supported (Li's PSGD is defined for them): P =
+    ⊗ Q_iᴴQ_i is Hermitian, the factors are complex (complex64, or complex128
+    for float64/complex128 factors) with real positive diagonals, and
+    V ~ CN(0, I). Only the 'EQ' update style is available for them. Integer
+    parameters are refused. ``None`` gradients are skipped; sparse gradients
+    are refused.
 
     Args:
         params: parameters or param groups (every argument below except
@@ -249,7 +284,7 @@ class Kron(torch.optim.Optimizer):
             preconditioner_cache=preconditioner_cache,
         )
         check_int("seed", seed)
-        check_choice("compile_kernels", compile_kernels, (True, False))
+        check_bool("compile_kernels", compile_kernels)
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(
                 f"Invalid strategy={strategy!r}: must be None or a "
@@ -281,7 +316,7 @@ class Kron(torch.optim.Optimizer):
         try:
             _check_group(self.param_groups[-1])
             for p in self.param_groups[-1]["params"]:
-                _check_parameter(p)
+                _check_parameter(p, self.param_groups[-1])
         except Exception:
             self.param_groups.pop()
             raise
@@ -328,7 +363,14 @@ class Kron(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state; factors, momenta and Lipschitz estimates keep their
         saved values and dtypes (torch would cast them to the parameter's dtype,
-        e.g. float32 factors of a bfloat16 weight to bfloat16)."""
+        e.g. float32 factors of a bfloat16 weight to bfloat16).
+
+        A state that does not fit the parameters (another model's checkpoint:
+        other groups, shapes or factor structure, complex for real, missing
+        keys) is refused with a ``ValueError`` naming the first mismatching
+        entry, and nothing is changed.
+        """
+        self._check_state_dict(state_dict)
         kept = (FACTORS, MOMENTUM, LIPSCHITZ)
         saved = {
             index: {key: entry[key] for key in kept if key in entry}
@@ -345,17 +387,59 @@ class Kron(torch.optim.Optimizer):
                 else:
                     state[key] = [t.to(device=device, copy=True) for t in value]
 
+    def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raises ValueError at the first entry of ``state_dict`` that does not
+        fit this optimizer's parameters (checked against the saved groups'
+        hyperparameters, which the load will install)."""
+
+        def fail(message: str):
+            raise ValueError(
+                f"Invalid state_dict: {message} (is it another model's or "
+                "optimizer's checkpoint?)"
+            )
+
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(
+            state_dict
+        ):
+            fail("must be a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            fail(f"{len(saved_groups)} param groups, expected {len(self.param_groups)}")
+        known = set()
+        position = 0
+        for g, (group, saved) in enumerate(
+            zip(self.param_groups, saved_groups, strict=True)
+        ):
+            if len(saved["params"]) != len(group["params"]):
+                fail(
+                    f"group {g} has {len(saved['params'])} parameters, expected "
+                    f"{len(group['params'])}"
+                )
+            hyper = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+            for p, index in zip(group["params"], saved["params"], strict=True):
+                known.add(index)
+                entry = state_dict["state"].get(index)
+                if entry is not None:
+                    where = f"parameter {position} (group {g})"
+                    problem = _state_entry_problem(p, hyper, entry)
+                    if problem:
+                        fail(f"{where} {problem}")
+                position += 1
+        unknown = [index for index in state_dict["state"] if index not in known]
+        if unknown:
+            fail(f"state for parameter {unknown[0]!r}, which no group lists")
+
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         if state:
             return state
         shape, diagonal = _plan(p.shape, group)
-        dtype = group["precond_dtype"] or torch.float32
+        dtype, mu_dtype = _state_dtypes(p, group)
         scale = group["precond_init_scale"] ** (1 / len(shape))
         state[STEP] = 0
         state[UPDATE_COUNTER] = 0
         state[MOMENTUM] = torch.zeros_like(
-            p, dtype=group["mu_dtype"] or p.dtype, memory_format=torch.preserve_format
+            p, dtype=mu_dtype, memory_format=torch.preserve_format
         )
         cache, work = _cache(group), torch.promote_types(dtype, torch.float32)
         state[FACTORS] = [
@@ -422,6 +506,7 @@ class Kron(torch.optim.Optimizer):
                 ]
             )
             target = mu_hat if group["momentum_into_precond_update"] else stacked(grads)
+            old_stored = stored
             if style == "EQ":
                 factors = self._update_factors(
                     factors,
@@ -445,10 +530,23 @@ class Kron(torch.optim.Optimizer):
                     group["precond_lr"],
                     style,
                 )
+            stored = [_stored(Q, cache, factor_dtype).to(dtype) for Q in factors]
+            # A fit that overflowed (a usable but large gradient met by large
+            # factors) keeps that parameter's old factors: decided per stack entry
+            # on the device, without a host sync.
+            new = stored + (lipschitz if style != "EQ" else [])
+            fitted = torch.stack(
+                [torch.isfinite(F).reshape(F.shape[0], -1).all(dim=1) for F in new]
+            ).all(dim=0)
+            stored = [
+                torch.where(km._expand(fitted, F), F, old)
+                for F, old in zip(stored, old_stored, strict=True)
+            ]
+            if style != "EQ":
                 for i, state in enumerate(states):
                     for axis, L in enumerate(lipschitz):
-                        state[LIPSCHITZ][axis].copy_(L[i])
-            stored = [_stored(Q, cache, factor_dtype).to(dtype) for Q in factors]
+                        kept = state[LIPSCHITZ][axis]
+                        kept.copy_(torch.where(fitted[i], L[i], kept))
             for i, state in enumerate(states):
                 for axis, F in enumerate(stored):
                     state[FACTORS][axis].copy_(F[i])
@@ -456,12 +554,71 @@ class Kron(torch.optim.Optimizer):
             U = km.precondition(stored, mu_hat)
         else:  # U = G ×_1 P_1 … ×_k P_k with the cached P_i = Q_iᵀQ_i
             U = km.apply_along_axes([_gram_of(F, cache) for F in stored], mu_hat)
-        rms = U.square().reshape(U.shape[0], -1).mean(dim=1).sqrt()
+        squares = U.abs().square() if U.is_complex() else U.square()
+        rms = squares.reshape(U.shape[0], -1).mean(dim=1).sqrt()
         U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
             (-1,) + (1,) * (U.ndim - 1)
         )
         for (_, p, index), u in zip(bucket, U, strict=True):
             updates[index] = u.reshape(p.shape)
+
+
+def _state_entry_problem(
+    p: torch.Tensor, group: dict[str, Any], entry: Any
+) -> str | None:
+    """What makes a saved ``self.state[p]`` unfit for ``p`` under ``group``'s
+    hyperparameters, or None."""
+    if not isinstance(entry, dict):
+        return f"state is a {type(entry).__name__}, expected a dict"
+    keys = {STEP, UPDATE_COUNTER, MOMENTUM, FACTORS}
+    if group["preconditioner_update_style"] != "EQ":
+        keys.add(LIPSCHITZ)
+    missing = sorted(keys - set(entry))
+    if missing:
+        return f"state lacks {missing[0]!r}"
+    for key in (STEP, UPDATE_COUNTER):
+        value = entry[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{key!r} is {value!r}, expected an int >= 0"
+
+    def tensor_problem(name, value, shape, complex_):
+        if not isinstance(value, torch.Tensor):
+            return f"{name} is a {type(value).__name__}, expected a tensor"
+        if tuple(value.shape) != tuple(shape):
+            return f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+        kind = "complex" if complex_ else "floating"
+        if value.is_complex() != complex_ or not (
+            value.is_floating_point() or value.is_complex()
+        ):
+            return f"{name} has dtype {value.dtype}, expected a {kind} dtype"
+        return None
+
+    problem = tensor_problem(repr(MOMENTUM), entry[MOMENTUM], p.shape, p.is_complex())
+    if problem:
+        return problem
+    shape, diagonal = _plan(p.shape, group)
+    factors = entry[FACTORS]
+    if not isinstance(factors, list | tuple) or len(factors) != len(shape):
+        got = len(factors) if isinstance(factors, list | tuple) else factors
+        return f"{FACTORS!r} has {got!r} factors, expected {len(shape)}"
+    cache = _cache(group)
+    for axis, (F, d, diag) in enumerate(zip(factors, shape, diagonal, strict=True)):
+        if diag:
+            expected = (d,)
+        else:
+            expected = {None: (d, d), "dense": (2, d, d), "packed": (d + 1, d)}[cache]
+        problem = tensor_problem(f"{FACTORS!r}[{axis}]", F, expected, p.is_complex())
+        if problem:
+            return problem
+    if LIPSCHITZ in keys:
+        estimates = entry[LIPSCHITZ]
+        if not isinstance(estimates, list | tuple) or len(estimates) != len(shape):
+            return f"{LIPSCHITZ!r} has the wrong length, expected {len(shape)}"
+        for axis, L in enumerate(estimates):
+            problem = tensor_problem(f"{LIPSCHITZ!r}[{axis}]", L, (), False)
+            if problem:
+                return problem
+    return None
 
 
 def _cache(group: dict[str, Any]) -> str | None:
@@ -527,54 +684,56 @@ def _cost(shape, group) -> float:
     )
 
 
-def _check_group(group: dict[str, Any]) -> None:
-    check_real("lr", group["lr"], low=0.0)
-    check_real("b1", group["b1"], low=0.0, high=1.0, high_inclusive=False)
-    check_real("weight_decay", group["weight_decay"], low=0.0)
-    probability = group["preconditioner_update_probability"]
-    if probability is not None and not callable(probability):
-        check_real(
-            "preconditioner_update_probability",
-            probability,
-            low=0.0,
-            high=1.0,
-            low_inclusive=False,
+def _check_probability(name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        check_real(name, value, low=0.0, high=1.0, low_inclusive=False)
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    if value is not None and not (
+        isinstance(value, torch.dtype) and value.is_floating_point
+    ):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a floating torch.dtype"
         )
-    check_int("max_size_triangular", group["max_size_triangular"], low=0)
-    check_int("min_ndim_triangular", group["min_ndim_triangular"], low=0)
-    check_choice("memory_save_mode", group["memory_save_mode"], MEMORY_SAVE_MODES)
-    check_choice(
-        "momentum_into_precond_update",
-        group["momentum_into_precond_update"],
-        (True, False),
-    )
-    check_real("precond_lr", group["precond_lr"], low=0.0)
-    check_real(
-        "precond_init_scale", group["precond_init_scale"], low=0.0, low_inclusive=False
-    )
-    for name in ("mu_dtype", "precond_dtype"):
-        value = group[name]
-        if value is not None and not (
-            isinstance(value, torch.dtype) and value.is_floating_point
-        ):
-            raise TypeError(
-                f"Invalid {name}={value!r}: must be None or a floating torch.dtype"
-            )
-    if group["max_skew_triangular"] != float("inf"):
-        check_real("max_skew_triangular", group["max_skew_triangular"], low=0.0)
-    check_choice("merge_small_dims", group["merge_small_dims"], (True, False))
-    check_int("target_merged_dim_size", group["target_merged_dim_size"], low=1)
-    check_choice(
+
+
+def _check_skew(name: str, value: Any) -> None:
+    if value != float("inf"):
+        check_real(name, value, low=0.0)
+
+
+# Every per-group argument and its check: (name, check(name, value)).
+GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
+    ("lr", lambda n, v: check_real(n, v, low=0.0)),
+    ("b1", lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False)),
+    ("weight_decay", lambda n, v: check_real(n, v, low=0.0)),
+    ("preconditioner_update_probability", _check_probability),
+    ("max_size_triangular", lambda n, v: check_int(n, v, low=0)),
+    ("min_ndim_triangular", lambda n, v: check_int(n, v, low=0)),
+    ("memory_save_mode", lambda n, v: check_choice(n, v, MEMORY_SAVE_MODES)),
+    ("momentum_into_precond_update", check_bool),
+    ("precond_lr", lambda n, v: check_real(n, v, low=0.0)),
+    ("precond_init_scale", lambda n, v: check_real(n, v, low=0.0, low_inclusive=False)),
+    ("mu_dtype", _check_dtype),
+    ("precond_dtype", _check_dtype),
+    ("max_skew_triangular", _check_skew),
+    ("merge_small_dims", check_bool),
+    ("target_merged_dim_size", lambda n, v: check_int(n, v, low=1)),
+    (
         "preconditioner_update_style",
-        group["preconditioner_update_style"],
-        km.UPDATE_STYLES,
-    )
-    check_choice(
-        "preconditioner_cache", group["preconditioner_cache"], PRECONDITIONER_CACHES
-    )
+        lambda n, v: check_choice(n, v, km.UPDATE_STYLES),
+    ),
+    ("preconditioner_cache", lambda n, v: check_choice(n, v, PRECONDITIONER_CACHES)),
+)
 
 
-def _check_parameter(p: torch.Tensor) -> None:
+def _check_group(group: dict[str, Any]) -> None:
+    for name, check in GROUP_ARGUMENTS:
+        check(name, group[name])
+
+
+def _check_parameter(p: torch.Tensor, group: dict[str, Any]) -> None:
     if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
         raise NotImplementedError(
             "precond.torch.Kron does not support FSDP2 (fully_shard) DTensor "
@@ -582,10 +741,30 @@ def _check_parameter(p: torch.Tensor) -> None:
             "strategy=precond.torch.ShardedPreconditioning() to spread the "
             "preconditioner work over the ranks)"
         )
-    if p.is_complex():
+    if not (p.is_floating_point() or p.is_complex()):
         raise TypeError(
-            f"Invalid parameter of dtype {p.dtype}: Kron supports real parameters"
+            f"Invalid parameter of dtype {p.dtype}: Kron supports floating and "
+            "complex parameters"
         )
+    if p.is_complex() and group["preconditioner_update_style"] != "EQ":
+        raise TypeError(
+            f"Invalid parameter of dtype {p.dtype} with preconditioner_update_style="
+            f"{group['preconditioner_update_style']!r}: complex parameters support "
+            "only 'EQ'"
+        )
+
+
+def _state_dtypes(
+    p: torch.Tensor, group: dict[str, Any]
+) -> tuple[torch.dtype, torch.dtype]:
+    """(factor dtype, momentum dtype) of a parameter: complex counterparts of the
+    group's dtypes for a complex parameter."""
+    factor = group["precond_dtype"] or torch.float32
+    momentum = group["mu_dtype"] or p.dtype
+    if p.is_complex():
+        factor = _complex_of(torch.promote_types(factor, torch.float32))
+        momentum = momentum if momentum.is_complex else _complex_of(momentum)
+    return factor, momentum
 
 
 def _check_gradient(p: torch.Tensor) -> None:
@@ -593,5 +772,8 @@ def _check_gradient(p: torch.Tensor) -> None:
         raise RuntimeError(
             "Kron does not support sparse gradients (e.g. nn.Embedding(sparse=True))"
         )
-    if p.grad.is_complex():
-        raise RuntimeError(f"Kron does not support complex gradients ({p.grad.dtype})")
+    if p.grad.is_complex() != p.is_complex():
+        raise RuntimeError(
+            f"Kron got a gradient of dtype {p.grad.dtype} for a parameter of dtype "
+            f"{p.dtype}"
+        )
