@@ -91,23 +91,41 @@ def kl_clip_scale(
         return 1.0
     if exponents is None:
         exponents = [0] * len(preconditioned)
-    inner = torch.stack(
+    # Each tensor x is summed as 2^-e x (2^(e-1) ≤ max|x| < 2^e, exact), so the
+    # float64 products cannot overflow; u_ℓ carries the power 2^f_ℓ apart.
+    pairs = [
+        (p.to(torch.float64), g.to(device=p.device, dtype=torch.float64))
+        for p, g in zip(preconditioned, grads, strict=True)
+    ]
+    maxima = torch.stack(
         [
-            (p.to(torch.float64) * g.to(device=p.device, dtype=torch.float64)).sum()
-            for p, g in zip(preconditioned, grads, strict=True)
+            t.abs().amax() if t.numel() else t.new_zeros(())
+            for pair in pairs
+            for t in pair
         ]
     ).tolist()
-    if not all(math.isfinite(u) for u in inner):
+    if not all(math.isfinite(m) for m in maxima):
         return 1.0
-    # Σ_ℓ u_ℓ 4^e_ℓ = 4^E Σ_ℓ u_ℓ 4^(e_ℓ − E): no overflow for any exponents.
-    top = max(exponents)
-    pairs = zip(inner, exponents, strict=True)
-    total = abs(sum(math.ldexp(u, 2 * (e - top)) for u, e in pairs))
-    if total == 0.0:
+    shifts = [math.frexp(m)[1] for m in maxima]
+    inner = torch.stack(
+        [
+            (
+                torch.ldexp(p, p.new_tensor(-sp)) * torch.ldexp(g, g.new_tensor(-sg))
+            ).sum()
+            for (p, g), sp, sg in zip(pairs, shifts[0::2], shifts[1::2], strict=True)
+        ]
+    ).tolist()
+    powers = [
+        2 * e + sp + sg
+        for e, sp, sg in zip(exponents, shifts[0::2], shifts[1::2], strict=True)
+    ]
+    # Σ_ℓ u_ℓ 2^f_ℓ = 2^F Σ_ℓ u_ℓ 2^(f_ℓ − F): no overflow for any powers.
+    top = max(powers)
+    terms = zip(inner, powers, strict=True)
+    total = abs(sum(math.ldexp(u, f - top) for u, f in terms))
+    if total == 0.0 or not math.isfinite(total):
         return 1.0
-    if math.isinf(total):
-        return 0.0
-    # ν = √(κ / total) / lr · 2^−E, in logs: every factor may be out of range.
+    # ν = √(κ / total) / lr · 2^(−F/2), in logs: every factor may be out of range.
     log_nu = 0.5 * (math.log(kl_clip) - math.log(total)) - math.log(lr)
-    log_nu -= top * math.log(2.0)
+    log_nu -= 0.5 * top * math.log(2.0)
     return 1.0 if log_nu >= 0.0 else math.exp(log_nu)
