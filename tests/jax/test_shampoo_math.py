@@ -294,6 +294,29 @@ def test_non_finite_input_reports_failure(method, corruption):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
+def test_huge_statistics_get_the_rescaled_root(method):
+    """(c·A + ε'I)^{-1/p}·c^{1/p} = (A + ε'I)^{-1/p} (the ridge is relative):
+    float32 statistics with entries from 1e20 up to float32's largest (a gradient
+    entry of 1.8e19 gives G·Gᵀ ≈ 3e38) get a root that passes the float64
+    oracle of the unscaled A, with the float32 tolerance of that A, and an error
+    the optimizer accepts. (Unscaled, ‖A‖_F and the power iteration overflow
+    float32 and every such root fails.)"""
+    A = spd(8, 1e2)
+    top = np.max(np.abs(A))
+    for p in (2, 8):
+        for c in (1e20 / top, 1e30 / top, 3.4e38 / top):
+            X, error = jitted(method, p)(jnp.asarray(c * A, jnp.float32))
+            assert float(error) < FAILURE_THRESHOLD, (p, c, float(error))
+            unscaled = np.asarray(X, np.float64) * c ** (1.0 / p)
+            residual = inverse_power_residual(unscaled, A, p)
+            assert residual < frobenius_tolerance(method, "float32", 8, p, 1e2), (
+                p,
+                c,
+                residual,
+            )
+
+
+@pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("a", [4.0, 1e-8, 0.0])
 @pytest.mark.parametrize("p", [2, 8])

@@ -25,6 +25,11 @@ LAMBDA_FLOOR = 1e-6
 # means divergence, and the previous iterate is returned.
 DIVERGENCE_FACTOR = 1.2
 _QUANTIZED_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.int16): 32767.0}
+# Roots of matrices with an entry above this are computed on A/2^k (max entry in
+# [1, 2)) and rescaled by 2^(-k/p): the Frobenius norm and the power iteration
+# square or sum the entries, which overflows float32 from about 1e19. Below it the
+# matrix is used as given (no change to the iteration's rounding).
+LARGEST_UNSCALED = 2.0**32
 
 
 def root_dtype() -> jnp.dtype:
@@ -90,6 +95,26 @@ def _unit(v):
     return v / jnp.where(norm > 0, norm, 1)
 
 
+def _scaled_down(work: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(A/2^k, k): k = ⌊log₂ max|A|⌋ when max|A| > LARGEST_UNSCALED, else 0.
+
+    Dividing by a power of two is exact, and for a PSD matrix
+    λ_max(A/2^k) >= max|A/2^k| >= 1, so the relative ridge ε·max(λ_max, 1e-6) is
+    the same ε·λ_max before and after. A non-finite A is left as it is (its root
+    fails and is reported as failed).
+    """
+    largest = jnp.max(jnp.abs(work))
+    huge = jnp.isfinite(largest) & (largest > LARGEST_UNSCALED)
+    exponent = jnp.where(huge, jnp.floor(jnp.log2(jnp.where(huge, largest, 1))), 0)
+    exponent = exponent.astype(jnp.int32)
+    return jnp.ldexp(work, -exponent), exponent
+
+
+def _scaled_up(root: jax.Array, exponent: jax.Array, p: int) -> jax.Array:
+    """(2^k·A)^{-1/p} = 2^{-k/p}·A^{-1/p}: undoes :func:`_scaled_down` on a root."""
+    return root * jnp.exp2(-exponent.astype(root.dtype) / p)
+
+
 def _relative_ridge(ridge_epsilon, top_eigenvalue):
     return ridge_epsilon * jnp.maximum(top_eigenvalue, LAMBDA_FLOOR)
 
@@ -112,6 +137,9 @@ def matrix_inverse_pth_root(
     while e = max|M − I| > ``error_tolerance`` (at most ``num_iters`` times); M → I
     and H → A'^{-1/p}. If a step raises e by more than 1.2× the iteration has
     diverged and the previous H is returned. Runs in float64 when x64 is enabled.
+    A matrix with entries above 2^32 is divided by a power of two 2^k first and
+    the root multiplied by 2^{-k/p} (exact up to rounding), so statistics up to
+    the dtype's largest value get finite roots.
 
     Args:
         matrix: (n, n) symmetric PSD matrix.
@@ -126,11 +154,11 @@ def matrix_inverse_pth_root(
         iteration then runs in float64) or use the eigh root for such statistics.
     """
     n = matrix.shape[-1]
-    work = matrix.astype(root_dtype())
+    work, exponent = _scaled_down(matrix.astype(root_dtype()))
     _, top = power_iteration(work, error_tolerance=1e-6, precision=precision)
     ridge = _relative_ridge(ridge_epsilon, top)
     if n == 1:
-        root = (work + ridge) ** (-1.0 / p)
+        root = _scaled_up((work + ridge) ** (-1.0 / p), exponent, p)
         return root.astype(matrix.dtype), jnp.zeros((), jnp.float32)
     identity = jnp.eye(n, dtype=work.dtype)
     damped = work + ridge * identity
@@ -153,7 +181,7 @@ def matrix_inverse_pth_root(
 
     carry = (0, m0, h0, h0, e0, jnp.asarray(True))
     _, m, h, previous_h, _, improving = lax.while_loop(keep_going, step, carry)
-    root = jnp.where(improving, h, previous_h)
+    root = _scaled_up(jnp.where(improving, h, previous_h), exponent, p)
     error = jnp.max(jnp.abs(m - identity)).astype(jnp.float32)
     return root.astype(matrix.dtype), error
 
@@ -169,7 +197,8 @@ def matrix_inverse_pth_root_eigh(
     A = U·diag(λ)·Uᵀ gives H = U·diag((max(λ, 0) + ε')^{-1/p})·Uᵀ (rounding can
     make the smallest λ slightly negative; they are clipped at 0). Slower than
     the Newton iteration on accelerators, but exact up to rounding at any
-    condition number. Runs in float64 when x64 is enabled.
+    condition number. Runs in float64 when x64 is enabled; entries above 2^32
+    are scaled down by a power of two first, as in :func:`matrix_inverse_pth_root`.
 
     Returns:
         (H, e): the root in ``matrix.dtype`` and the decomposition's relative
@@ -177,11 +206,11 @@ def matrix_inverse_pth_root_eigh(
         A is not finite). Unlike max|H^p·A − I|, e does not grow with the
         condition number, so a correct root of an ill-conditioned A passes.
     """
-    work = matrix.astype(root_dtype())
+    work, exponent = _scaled_down(matrix.astype(root_dtype()))
     eigenvalues, vectors = jnp.linalg.eigh(work)
     ridge = _relative_ridge(ridge_epsilon, eigenvalues[-1])
     scales = (jnp.maximum(eigenvalues, 0) + ridge) ** (-1.0 / p)
-    root = _matmul(vectors * scales, vectors.T, precision)
+    root = _scaled_up(_matmul(vectors * scales, vectors.T, precision), exponent, p)
     rebuilt = _matmul(vectors * eigenvalues, vectors.T, precision)
     error = jnp.max(jnp.abs(rebuilt - work)) / jnp.maximum(eigenvalues[-1], 1e-30)
     return root.astype(matrix.dtype), error.astype(jnp.float32)
