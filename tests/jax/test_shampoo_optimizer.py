@@ -8,6 +8,8 @@ test_shampoo_reference.py, the matrix functions in test_shampoo_math.py.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import precond.jax as pj
+from precond.jax import shampoo
 from tests.jax.helpers import float64
 from tests.jax.test_psgd_conformance import (
     NOISY_STEPS,
@@ -533,6 +536,242 @@ def test_huge_condition_number_never_gives_non_finite_parameters():
     assert np.any(~(errors < 0.1)), errors
 
 
+# One regression problem for the bad-gradient runs: Y = X·W* + noise, fitted by
+# (w (8, 6), b (6,)) from zeros, full batch, BAD_RUN_STEPS steps.
+BAD_RUN_STEPS = 51  # 50 normal steps and one bad one
+BAD_AT = 20  # after preconditioning started (start_preconditioning_step=1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# ‖G‖² not finite in float32: the step is skipped. None: the whole (8, 6) gradient
+# of w is ±10^k for 48 k from -30 to 30 (alternating signs).
+SKIPPED_GRADIENTS = {
+    "1e20": 1e20,
+    "1e30": 1e30,
+    "float32_max": _FLOAT32_MAX,
+    "mixed_1e-30_to_1e30": None,
+    "nan": np.nan,
+    "inf": np.inf,
+    "-inf": -np.inf,
+}
+# ‖G‖² = 1e36 or 1e38, finite: a gradient like any other, applied. The statistic
+# of its row becomes ~1e35 (unscaled, its Frobenius norm overflows float32).
+APPLIED_GRADIENTS = {"1e18": 1e18, "1e19": 1e19}
+# A rate per grafting type at which the clean run learns (loss / 100 or better).
+GRAFT_RATES = {
+    pj.GraftingType.SGD: 0.1,
+    pj.GraftingType.ADAGRAD: 0.1,
+    pj.GraftingType.RMSPROP: 0.01,
+    pj.GraftingType.RMSPROP_NORMALIZED: 0.01,
+    pj.GraftingType.SQRT_N: 0.01,
+    pj.GraftingType.ADAGRAD_NORMALIZED: 0.1,
+}
+
+
+def _bad_gradient(value):
+    """(mask, values) that replace w's gradient at the bad step."""
+    if value is None:
+        signs = (-1.0) ** np.arange(48)
+        values = (signs * np.logspace(-30, 30, 48)).reshape(8, 6)
+        return jnp.ones((8, 6), bool), jnp.asarray(values, jnp.float32)
+    mask = jnp.zeros((8, 6), bool).at[2, 3].set(True)
+    return mask, jnp.full((8, 6), value, jnp.float32)
+
+
+def _bad_step_run(optimizer):
+    """A jitted run(bad_at, mask, values) -> (final loss, (loss before each step,
+    state and updates finite after each step, step skipped), training metrics);
+    ``bad_at = -1`` gives the clean run."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    y = x @ jnp.asarray(rng.normal(size=(8, 6)), jnp.float32)
+    y = y + 0.1 * jnp.asarray(rng.normal(size=(32, 6)), jnp.float32)
+    params = {"w": jnp.zeros((8, 6)), "b": jnp.zeros(6)}
+
+    def loss(p):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    def all_true(flags):
+        return jnp.all(jnp.stack(flags))
+
+    @jax.jit
+    def run(bad_at, mask, values):
+        def step(carry, i):
+            p, state = carry
+            value, grads = jax.value_and_grad(loss)(p)
+            grads["w"] = jnp.where((i == bad_at) & mask, values, grads["w"])
+            updates, new = optimizer.update(grads, state, p)
+            finite = all_true(
+                [
+                    jnp.all(jnp.isfinite(leaf))
+                    for leaf in jax.tree.leaves((updates, new._replace(count=0)))
+                ]
+            )
+            unchanged = all_true(
+                [
+                    jnp.array_equal(a, b, equal_nan=True)
+                    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(state))
+                ]
+            )
+            zero = all_true([jnp.all(u == 0) for u in jax.tree.leaves(updates)])
+            p = optax.apply_updates(p, updates)
+            return (p, new), (value, finite, unchanged & zero)
+
+        carry = (params, optimizer.init(params))
+        (p, state), trace = jax.lax.scan(step, carry, jnp.arange(BAD_RUN_STEPS))
+        return loss(p), trace, state.training_metrics
+
+    return run
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["float32", "quantized"])
+@pytest.mark.parametrize("graft", list(pj.GraftingType), ids=lambda g: g.name)
+def test_one_bad_gradient_never_poisons_the_state(graft, memory):
+    """One bad gradient among 50 normal steps, at step 20.
+
+    Skipped (‖G‖² overflows float32: 1e20 ... float32 max, a tensor mixing
+    1e-30 and 1e30, NaN, ±Inf): zero update and the whole state unchanged at
+    that step, state and updates finite at every step, and the final loss within
+    1% of the 50 normal steps alone (it is the same run: measured equal).
+    Applied (1e18, 1e19: finite ‖G‖², a gradient like any other, whose step can
+    wreck the parameters as any huge step would): state and updates stay finite
+    at every step, and the roots of the ~1e35 statistics it leaves are still
+    accepted at the last step (error < inverse_failure_threshold), so the
+    preconditioners are not frozen. One compiled run serves every value.
+    """
+    optimizer = pj.distributed_shampoo(
+        GRAFT_RATES[graft],
+        128,
+        start_preconditioning_step=1,
+        graft_type=graft,
+        best_effort_memory_usage_reduction=memory,
+    )
+    run = _bad_step_run(optimizer)
+    _, (losses, finite, skipped), _ = run(-1, *_bad_gradient(0.0))
+    assert bool(jnp.all(finite))
+    assert not bool(jnp.any(skipped))
+    clean = float(losses[BAD_RUN_STEPS - 1])  # after the 50 normal steps
+    assert clean < 0.01 * float(losses[0]), "the clean run should learn"
+    for name, value in (SKIPPED_GRADIENTS | APPLIED_GRADIENTS).items():
+        final, (_, finite, skipped), metrics = run(BAD_AT, *_bad_gradient(value))
+        assert bool(jnp.all(finite)), name
+        if name in SKIPPED_GRADIENTS:
+            assert np.flatnonzero(skipped).tolist() == [BAD_AT], name
+            assert abs(float(final) / clean - 1) < 0.01, (name, float(final), clean)
+        else:
+            assert not bool(jnp.any(skipped)), name
+            errors = np.concatenate([np.asarray(e) for e in jax.tree.leaves(metrics)])
+            assert np.all(errors < 0.1), (name, errors)
+
+
+ODD_PARAMS = {
+    "empty": jnp.ones((0, 5)),
+    "empty_3d": jnp.ones((2, 0, 3)),
+    "scalar": jnp.ones(()),
+    "ones_dims": jnp.ones((1, 1, 7)),  # merged to (7,): like "vector"
+    "vector": jnp.ones(7),
+    "long": jnp.ones(5000),  # > skip_preconditioning_dim_size_gt = 4096
+}
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["float32", "quantized"])
+def test_empty_scalar_size_one_and_long_parameters(memory):
+    """Empty tensors get empty updates; a scalar and a vector longer than
+    skip_preconditioning_dim_size_gt take the grafting step (with SGD grafting and
+    β1 = 0: exactly −lr·G); a (1, 1, 7) tensor is preconditioned as its merged
+    (7,) vector (same update as a (7,) parameter given the same gradients)."""
+    lr = 0.5
+    optimizer = pj.distributed_shampoo(
+        lr,
+        128,
+        beta1=0.0,
+        start_preconditioning_step=1,
+        best_effort_memory_usage_reduction=memory,
+    )
+    state = optimizer.init(ODD_PARAMS)
+    update = jax.jit(optimizer.update)
+    for step in range(3):
+        grads = _gradients(ODD_PARAMS, step)
+        grads["vector"] = grads["ones_dims"].reshape(7)
+        updates, state = update(grads, state, ODD_PARAMS)
+        for name in ("empty", "empty_3d"):
+            assert updates[name].shape == ODD_PARAMS[name].shape
+        for name in ("scalar", "long"):
+            np.testing.assert_allclose(updates[name], -lr * grads[name], rtol=1e-6)
+        np.testing.assert_allclose(
+            updates["ones_dims"].reshape(7), updates["vector"], rtol=1e-6, atol=1e-7
+        )
+        if step >= 1:  # preconditioned: not the grafting step
+            difference = updates["vector"] + lr * grads["vector"]
+            assert float(jnp.linalg.norm(difference)) > 1e-3
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "message"),
+    [
+        (jnp.complex64, "does not support complex parameters"),
+        (jnp.int32, "needs floating-point parameters"),
+        (jnp.bool_, "needs floating-point parameters"),
+    ],
+    ids=["complex64", "int32", "bool"],
+)
+def test_complex_and_integer_parameters_are_refused_at_init(dtype, message):
+    """The error names the leaf and its dtype (complex: and the PSGD optimizers,
+    which support it); distributed_shampoo_state_shapes refuses the same."""
+    params = {"layer": {"w": jnp.ones((4, 3), dtype), "b": jnp.ones(3)}}
+    optimizer = pj.distributed_shampoo(0.1, 128)
+    for init in (optimizer.init, jax.jit(optimizer.init)):
+        with pytest.raises(TypeError, match=message) as raised:
+            init(params)
+        assert f"['layer']['w'] is {jnp.dtype(dtype)}" in str(raised.value)
+    if dtype == jnp.complex64:
+        assert "PSGD" in str(raised.value)
+    with pytest.raises(TypeError, match=message):
+        pj.distributed_shampoo_state_shapes(params, 0.1, 128)
+
+
+MISMATCHED_STATES = {
+    "other shapes": (
+        {},
+        dict(PARAMS, w=jnp.ones((4, 5))),
+        ".momentum['w'] has shape (4, 5), expected (6, 5)",
+    ),
+    "other block size": (
+        dict(block_size=2),
+        PARAMS,
+        ".statistics[1] has shape (3, 1, 1), expected (2, 1, 1)",
+    ),
+    "other grafting": (
+        dict(graft_type=pj.GraftingType.SGD),
+        PARAMS,
+        "where .diagonal_statistics['b'] belongs",
+    ),
+    "quantized": (
+        dict(best_effort_memory_usage_reduction=True),
+        PARAMS,
+        "it has .momentum['conv'].values where .momentum['conv'] belongs",
+    ),
+    "a parameter fewer": (
+        {},
+        {k: v for k, v in PARAMS.items() if k != "b"},
+        "where .momentum['b'] belongs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MISMATCHED_STATES)
+def test_state_of_another_model_is_refused_when_update_is_traced(case):
+    """A state made by init for other params or other arguments is refused by
+    ``update`` when it is traced (abstract values: nothing computed), naming the
+    first leaf that differs (and both shapes where they differ)."""
+    changes, other_params, message = MISMATCHED_STATES[case]
+    kwargs = dict(learning_rate=0.1, block_size=4, graft_type=pj.GraftingType.ADAGRAD)
+    optimizer = pj.distributed_shampoo(**kwargs)
+    state = pj.distributed_shampoo(**(kwargs | changes)).init(other_params)
+    with pytest.raises(ValueError, match="does not match these parameters") as raised:
+        jax.eval_shape(optimizer.update, PARAMS, state, PARAMS)
+    assert message in str(raised.value)
+
+
 # --------------------------------------------------------------- checkpoints
 
 
@@ -584,7 +823,26 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
         (dict(clip_by_scaled_gradient_norm=0.0), ValueError, "must be > 0.0"),
         (dict(num_devices_for_pjit=0), ValueError, "num_devices_for_pjit=0"),
         (dict(precision="fast"), ValueError, "precision='fast'"),
-        (dict(nesterov="yes"), ValueError, "nesterov='yes'"),
+        (dict(nesterov="yes"), TypeError, "nesterov='yes': must be True or False"),
+        (dict(best_effort_shape_interpretation="no"), TypeError, "True or False"),
+        (dict(shard_optimizer_states="False"), TypeError, "True or False"),
+        (dict(best_effort_memory_usage_reduction=1), TypeError, "reduction=1"),
+        (dict(moving_average_for_momentum=None), TypeError, "momentum=None"),
+        (dict(eigh=0), TypeError, "eigh=0: must be True or False"),
+        (dict(learning_rate="0.1"), TypeError, "learning_rate='0.1'"),
+        (dict(beta1=float("nan")), ValueError, "beta1=nan"),
+        (dict(diagonal_epsilon=-1.0), ValueError, "diagonal_epsilon=-1.0"),
+        (dict(weight_decay=-1e-4), ValueError, "weight_decay=-0.0001: must be"),
+        (dict(start_preconditioning_step=-1), ValueError, "step=-1: must be >= 0"),
+        (dict(start_preconditioning_step=jnp.asarray(5)), TypeError, "static_args"),
+        (dict(exponent_override=2.0), TypeError, "exponent_override=2.0"),
+        (dict(inverse_failure_threshold=float("inf")), ValueError, "finite"),
+        (dict(skip_preconditioning_dim_size_gt=4096.0), TypeError, "a Python int"),
+        (dict(clip_by_scaled_gradient_norm=-1.0), ValueError, "norm=-1.0"),
+        (dict(num_devices_for_pjit=8.0), TypeError, "num_devices_for_pjit=8.0"),
+        (dict(graft_type="SGD"), ValueError, "graft_type='SGD': must be one of"),
+        (dict(batch_axis_name=3), TypeError, "batch_axis_name=3: must be None"),
+        (dict(precision=3), ValueError, "precision=3"),
         (dict(statistics_partition_spec=("data",)), TypeError, "PartitionSpec"),
         (
             dict(shard_optimizer_states=True),
@@ -608,6 +866,44 @@ def test_bad_arguments_are_named_with_their_value_and_range(kwargs, error, messa
     with pytest.raises(error, match=None) as raised:
         pj.distributed_shampoo(**arguments)
     assert message in str(raised.value)
+
+
+def test_every_argument_is_validated():
+    """The table of checks names every argument of distributed_shampoo."""
+    assert list(shampoo._ARGUMENT_CHECKS) == list(
+        inspect.signature(pj.distributed_shampoo).parameters
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(graft_type=pj.GraftingType.ADAGRAD),
+        dict(graft_type=2),  # the seed's enums are IntEnums: ints are accepted
+        dict(learning_rate=optax.cosine_decay_schedule(0.1, 100)),
+        dict(learning_rate=jnp.asarray(0.1), beta1=jnp.asarray(0.9)),
+        dict(nesterov=np.bool_(False), eigh=True),
+        dict(precision="high"),
+        dict(precision=None),
+        dict(batch_axis_name="batch"),
+        dict(batch_axis_name=("replica", "data")),
+        dict(clip_by_scaled_gradient_norm=1, num_devices_for_pjit=8),
+        dict(inverse_failure_threshold=np.float32(0.5), beta2=1),
+    ],
+    ids=str,
+)
+def test_arguments_the_seed_accepts_are_accepted(kwargs):
+    """No false refusals: enums or their ints, schedules, arrays (traced under
+    inject_hyperparams), NumPy scalars and bools, precision names or None, axis
+    name tuples. (The state that init gives does not depend on how an argument
+    was spelled.)"""
+    optimizer = pj.distributed_shampoo(
+        **(dict(learning_rate=0.1, block_size=4) | kwargs)
+    )
+    shapes = jax.eval_shape(optimizer.init, PARAMS)
+    assert isinstance(shapes, pj.ShampooState)
+    if kwargs.get("graft_type") == 2:
+        assert shapes.diagonal_statistics is not None  # AdaGrad's accumulator
 
 
 def test_weight_decay_without_params_is_a_clear_error():

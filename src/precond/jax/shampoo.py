@@ -38,10 +38,17 @@ from jax.sharding import PartitionSpec
 
 from precond._common.factor_plan import merge_small_dims
 from precond._common.validation import (
+    check_bool,
     check_choice,
     check_int,
     check_real,
     is_concrete_number,
+)
+from precond.jax._guards import (
+    all_finite,
+    check_parameter_dtypes,
+    check_state_matches,
+    gradients_are_usable,
 )
 from precond.jax._shampoo_math import (
     QuantizedArray,
@@ -175,62 +182,83 @@ class _Config(NamedTuple):
         return self.num_devices_for_pjit or jax.device_count()
 
 
-def _validated(**args) -> _Config:
-    check_real("learning_rate", args["learning_rate"], low=0.0, allow_schedule=True)
-    check_int("block_size", args["block_size"], low=0)
-    for name in ("beta1", "beta2"):
-        check_real(name, args[name], low=0.0, high=1.0)
-    for name in ("diagonal_epsilon", "matrix_epsilon", "weight_decay"):
-        check_real(name, args[name], low=0.0)
-    check_int("start_preconditioning_step", args["start_preconditioning_step"], low=0)
-    for name in ("preconditioning_compute_steps", "statistics_compute_steps"):
-        check_int(name, args[name], low=1)
-    check_int("exponent_override", args["exponent_override"], low=0)
-    check_real(
-        "inverse_failure_threshold",
-        args["inverse_failure_threshold"],
-        low=0.0,
-        low_inclusive=False,
-    )
-    check_int(
-        "skip_preconditioning_dim_size_gt",
-        args["skip_preconditioning_dim_size_gt"],
-        low=1,
-    )
-    if args["clip_by_scaled_gradient_norm"] is not None:
-        check_real(
-            "clip_by_scaled_gradient_norm",
-            args["clip_by_scaled_gradient_norm"],
-            low=0.0,
-            low_inclusive=False,
+def _optional(check):
+    """``check``, skipped for None."""
+
+    def check_optional(name, value):
+        if value is not None:
+            check(name, value)
+
+    return check_optional
+
+
+def _check_precision(name: str, value) -> None:
+    if isinstance(value, str) and value.lower() in _PRECISIONS:
+        value = _PRECISIONS[value.lower()]
+    check_choice(name, value, [None, *lax.Precision])
+
+
+def _check_axis_name(name: str, value) -> None:
+    names = value if isinstance(value, tuple) else (value,)
+    if value is not None and not all(isinstance(v, str) for v in names):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None, a mapped axis name (str) or a "
+            "tuple of them"
         )
-    if args["num_devices_for_pjit"] is not None:
-        check_int("num_devices_for_pjit", args["num_devices_for_pjit"], low=1)
-    check_choice("graft_type", args["graft_type"], [*GraftingType, *range(1, 7)])
-    args["graft_type"] = GraftingType(args["graft_type"])
-    precision = args["precision"]
-    if isinstance(precision, str) and precision.lower() in _PRECISIONS:
-        precision = _PRECISIONS[precision.lower()]
-    check_choice("precision", precision, list(lax.Precision))
-    args["precision"] = precision
-    for name in (
-        "best_effort_shape_interpretation",
-        "nesterov",
-        "shard_optimizer_states",
-        "best_effort_memory_usage_reduction",
-        "moving_average_for_momentum",
-        "eigh",
+
+
+def _check_stack_spec(name: str, value) -> None:
+    if value is not None and not isinstance(
+        value, PartitionSpec | jax.sharding.Sharding
     ):
-        check_choice(name, args[name], (True, False))
-    for name in ("statistics_partition_spec", "preconditioner_partition_spec"):
-        spec = args[name]
-        if spec is not None and not isinstance(
-            spec, PartitionSpec | jax.sharding.Sharding
-        ):
-            raise TypeError(
-                f"Invalid {name}={spec!r}: must be None, a jax.sharding.PartitionSpec "
-                "or a jax.sharding.Sharding for the stacked (K, n, n) matrices"
-            )
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None, a jax.sharding.PartitionSpec "
+            "or a jax.sharding.Sharding for the stacked (K, n, n) matrices"
+        )
+
+
+_positive = functools.partial(check_real, low=0.0, low_inclusive=False)
+# Every argument of distributed_shampoo and its check, in signature order. Numbers
+# may be arrays (traced under optax.inject_hyperparams); int arguments fix shapes
+# or code paths and must be Python ints (static).
+_ARGUMENT_CHECKS = {
+    "learning_rate": functools.partial(check_real, low=0.0, allow_schedule=True),
+    "block_size": functools.partial(check_int, low=0),
+    "beta1": functools.partial(check_real, low=0.0, high=1.0),
+    "beta2": functools.partial(check_real, low=0.0, high=1.0),
+    "diagonal_epsilon": functools.partial(check_real, low=0.0),
+    "matrix_epsilon": functools.partial(check_real, low=0.0),
+    "weight_decay": functools.partial(check_real, low=0.0),
+    "start_preconditioning_step": functools.partial(check_int, low=0),
+    "preconditioning_compute_steps": functools.partial(check_int, low=1),
+    "statistics_compute_steps": functools.partial(check_int, low=1),
+    "best_effort_shape_interpretation": check_bool,
+    "graft_type": functools.partial(
+        check_choice, choices=[*GraftingType, *range(1, 7)]
+    ),
+    "nesterov": check_bool,
+    "exponent_override": functools.partial(check_int, low=0),
+    "batch_axis_name": _check_axis_name,
+    "statistics_partition_spec": _check_stack_spec,
+    "preconditioner_partition_spec": _check_stack_spec,
+    "num_devices_for_pjit": _optional(functools.partial(check_int, low=1)),
+    "shard_optimizer_states": check_bool,
+    "best_effort_memory_usage_reduction": check_bool,
+    "inverse_failure_threshold": _positive,
+    "moving_average_for_momentum": check_bool,
+    "skip_preconditioning_dim_size_gt": functools.partial(check_int, low=1),
+    "clip_by_scaled_gradient_norm": _optional(_positive),
+    "precision": _check_precision,
+    "eigh": check_bool,
+}
+
+
+def _validated(**args) -> _Config:
+    for name, check in _ARGUMENT_CHECKS.items():
+        check(name, args[name])
+    args["graft_type"] = GraftingType(args["graft_type"])
+    if isinstance(args["precision"], str):
+        args["precision"] = _PRECISIONS[args["precision"].lower()]
     if args["shard_optimizer_states"]:
         if (
             args["statistics_partition_spec"]
@@ -296,8 +324,13 @@ def _axis_segments(d: int, block_size: int) -> list[tuple[int, int, int]]:
 
 
 def _plan_parameter(shape: tuple[int, ...], config: _Config) -> _ParameterPlan | None:
-    """How a parameter is blocked, or None when it is not preconditioned."""
-    if len(shape) < 1 or max(shape) > config.skip_preconditioning_dim_size_gt:
+    """How a parameter is blocked, or None when it is not preconditioned (a
+    scalar, an empty tensor, or a dim above ``skip_preconditioning_dim_size_gt``)."""
+    if (
+        len(shape) < 1
+        or math.prod(shape) == 0
+        or max(shape) > config.skip_preconditioning_dim_size_gt
+    ):
         return None
     merged = (
         merge_small_dims(shape, config.block_size)
@@ -487,7 +520,10 @@ def _state_float_dtype(dtype) -> jnp.dtype:
 # ------------------------------------------------------------------ the transform
 
 
-def _init(params, config: _Config) -> ShampooState:
+def _init(params, config: _Config, *, constrain: bool = True) -> ShampooState:
+    check_parameter_dtypes(params, "distributed_shampoo", complex_ok=False)
+    # constrain=False: for jax.eval_shape in check_state_matches (no mesh needed).
+    spec = config.statistics_partition_spec if constrain else None
     leaves, treedef = jax.tree.flatten(params)
     layout = _layout([p.shape for p in leaves], config)
     memory_mode = config.best_effort_memory_usage_reduction
@@ -496,7 +532,7 @@ def _init(params, config: _Config) -> ShampooState:
 
     def momentum_buffer(p, dtype):
         zeros = jnp.zeros(p.shape, dtype)
-        if memory_mode and p.ndim > 1:
+        if memory_mode and p.ndim > 1 and p.size:
             return quantize(zeros, jnp.int8)
         return zeros
 
@@ -520,8 +556,8 @@ def _init(params, config: _Config) -> ShampooState:
         if memory_mode:
             stats = quantize(stats, jnp.int16, extract_diagonal=True)
             eye = quantize(eye, jnp.int16, extract_diagonal=True)
-        statistics.append(_constrain(stats, config.statistics_partition_spec))
-        preconditioners.append(_constrain(eye, config.statistics_partition_spec))
+        statistics.append(_constrain(stats, spec))
+        preconditioners.append(_constrain(eye, spec))
     errors = [
         jnp.zeros((max(sum(r for _, _, r in slots), 1),), jnp.float32)
         for slots in layout.slots
@@ -620,7 +656,10 @@ def _new_statistics(grads, state, layout: _Layout, config: _Config):
         gram = jnp.pad(gram, ((0, previous.shape[0] - rows), (0, 0), (0, 0)))
         ema = config.beta2 * previous + _statistics_weight(config) * gram
         real = (jnp.arange(previous.shape[0]) < rows)[:, None, None]
-        new = _store(jnp.where(real, ema, previous), old)
+        # A statistic that would overflow (a sum with β2 = 1 of huge but finite
+        # gradients) keeps its previous value, like a failed root.
+        usable = real & jnp.all(jnp.isfinite(ema), axis=(1, 2), keepdims=True)
+        new = _store(jnp.where(usable, ema, previous), old)
         out.append(_constrain(new, config.statistics_partition_spec))
     return tuple(out)
 
@@ -633,6 +672,7 @@ def _new_preconditioners(statistics, state, layout: _Layout, config: _Config):
     ):
         new, error = _stack_roots(_load(stats), p, config)
         usable = jnp.isfinite(error) & (error < config.inverse_failure_threshold)
+        usable = usable & jnp.all(jnp.isfinite(new), axis=(1, 2))
         new = jnp.where(usable[:, None, None], new, _load(old))
         roots.append(_constrain(_store(new, old), config.statistics_partition_spec))
         errors.append(error)
@@ -644,6 +684,16 @@ def _stack_dtype(state: ShampooState):
         return jnp.float32
     first = state.statistics[0]
     return jnp.float32 if _is_quantized(first) else first.dtype
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    """‖x‖₂ as max|x|·‖x/max|x|‖: the plain sum of squares overflows float32 once
+    an entry passes ~1.8e19 (possible for P(G) with an old, large root P)."""
+    if not x.size:
+        return jnp.zeros((), x.dtype)
+    largest = jnp.max(jnp.abs(x))
+    scale = jnp.where(largest > 0, largest, 1)
+    return scale * jnp.linalg.norm(x / scale)
 
 
 def _preconditioned(g, plan: _ParameterPlan, slots, roots, precision):
@@ -673,8 +723,15 @@ def _update(updates, state: ShampooState, params, config: _Config):
             "update(grads, state, params)"
         )
     weights = leaves_of(params) if params is not None else [None] * len(grads)
+    check_state_matches(
+        state,
+        functools.partial(_init, config=config, constrain=False),
+        params,
+        updates,
+        "distributed_shampoo",
+    )
     step = state.count
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads] or [True]))
+    usable = gradients_are_usable(grads)
 
     with jax.named_scope("precond/shampoo/statistics"):
         if config.statistics_compute_steps == 1:
@@ -719,7 +776,7 @@ def _update(updates, state: ShampooState, params, config: _Config):
     beta1 = config.beta1
     w = (1.0 - beta1) if config.moving_average_for_momentum else 1.0
     running = step >= config.start_preconditioning_step
-    outputs, momenta, diagonal_momenta, diagonals = [], [], [], []
+    outputs, momenta, diagonal_momenta, diagonals, produced = [], [], [], [], []
     old_momenta = leaves_of(state.momentum)
     old_diagonal_momenta = leaves_of(state.diagonal_momentum)
     old_diagonals = leaves_of(state.diagonal_statistics)
@@ -737,9 +794,7 @@ def _update(updates, state: ShampooState, params, config: _Config):
                 direction = _preconditioned(
                     gf, plan, layout.slots[i], roots, config.precision
                 ).astype(gf.dtype)
-            shampoo = direction * (
-                jnp.linalg.norm(graft) / (jnp.linalg.norm(direction) + 1e-16)
-            )
+            shampoo = direction * (jnp.linalg.norm(graft) / (_norm(direction) + 1e-16))
             if decays:
                 shampoo = shampoo + config.weight_decay * weights[i]
                 graft = graft + config.weight_decay * weights[i]
@@ -755,16 +810,22 @@ def _update(updates, state: ShampooState, params, config: _Config):
                 if config.nesterov
                 else mixed_momentum
             )
-            outputs.append(jnp.where(finite, -lr * v, 0).astype(g.dtype))
+            outputs.append((-lr * v).astype(g.dtype))
             if config.has_diagonal_momentum:
                 momenta.append(_store(momentum, old_momentum))
                 diagonal_momenta.append(_store(graft_momentum, old_diagonal_momentum))
+                produced += [momentum, graft_momentum]
             else:
                 momenta.append(_store(mixed_momentum, old_momentum))
                 diagonal_momenta.append(None)
+                produced.append(mixed_momentum)
             diagonals.append(
                 None if old_diagonal is None else diagonal.astype(old_diagonal.dtype)
             )
+    # The step is skipped (see the docstring) when the gradients are unusable or
+    # anything it would store or return is not finite.
+    ok = usable & all_finite(outputs, produced, diagonals)
+    outputs = [jnp.where(ok, u, jnp.zeros_like(u)) for u in outputs]
 
     unflatten = functools.partial(jax.tree.unflatten, treedef)
     new_state = ShampooState(
@@ -776,10 +837,8 @@ def _update(updates, state: ShampooState, params, config: _Config):
         preconditioners=preconditioners,
         training_metrics=TrainingMetrics(unflatten(new_errors)),
     )
-    # A non-finite gradient leaves everything as it was (see the docstring).
-    new_state = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old), new_state, state
-    )
+    # A skipped step leaves everything as it was (see the docstring).
+    new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
     return unflatten(outputs), new_state
 
 
@@ -827,9 +886,24 @@ def distributed_shampoo(
     w = 1−β1 with ``moving_average_for_momentum`` else 1. S starts at ε·I and P
     at I. A root whose error max|P^p·(S+ε'I) − I| is NaN or >=
     ``inverse_failure_threshold`` is not used: the previous P stays, and the error
-    shows in ``state.training_metrics.inverse_pth_root_errors``. A step whose
-    gradient has a NaN or ±Inf entry returns zero updates and leaves the whole
-    state unchanged (count included). The updates include −lr: add them to W.
+    shows in ``state.training_metrics.inverse_pth_root_errors``; a statistic
+    that would overflow keeps its previous value too, and roots of statistics up
+    to the dtype's largest value are computed on a power-of-two rescaling.
+
+    Bad steps are skipped: when some gradient leaf has a squared norm ‖G‖² that
+    is not finite in float32 (float64 for float64 leaves) -- NaN or ±Inf entries,
+    or finite ones from about 1.8e19, whose squares would overflow the
+    statistics -- or when any update or momentum/grafting buffer the step would
+    produce is not finite, the step returns zero updates and leaves the whole
+    state unchanged (count included), as the PSGD optimizers do. The updates
+    include −lr: add them to W.
+
+    Parameters must be real floating-point arrays (complex and integer ones are
+    refused at ``init``); scalars, empty tensors and tensors with a dim above
+    ``skip_preconditioning_dim_size_gt`` take the grafting step alone. ``update``
+    refuses, when it is traced, a state whose structure or shapes (and dtypes,
+    when ``params`` are given) differ from what ``init`` gives for these
+    parameters, e.g. another model's checkpoint, naming the first such leaf.
 
     Args:
         learning_rate: step size, or a schedule of the step count t.
