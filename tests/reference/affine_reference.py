@@ -4,6 +4,12 @@ A parameter is viewed as a (d₁, d₂) matrix; Q_l and Q_r are dense matrices
 (diagonal factors expanded with ``np.diag``); the preconditioner is the explicit
 Kronecker matrix P = (Q_rᵀQ_r) ⊗ (Q_lᵀQ_l) acting on vec(G) (column-major), and
 the fit uses explicit inverses. Written from the math, not from the kernels.
+
+Complex factors: P = ⊗ Q_iᴴQ_i in Kron's mode-product convention, i.e.
+P·G = Q_lᴴQ_l·G·(Q_rᴴQ_r)ᵀ, so P = (Q_rᴴQ_r) ⊗ (Q_lᴴQ_l) on the column-major
+vec(G) (vec(XYZ) = (Zᵀ ⊗ X)·vec(Y)); A = Q_l·H·Q_rᵀ, B = Q_l⁻ᴴ·V·conj(Q_r)⁻¹,
+and the grams are AAᴴ (left) and AᵀĀ (right, the mode-2 unfolding's).
+``.conj()`` does nothing on reals.
 """
 
 import itertools
@@ -29,21 +35,28 @@ def is_diagonal_side(size, other, max_size=4096, max_skew=128):
     return size < 2 or size > max_size or size > max_skew * other
 
 
+def _as64(X):
+    """X in float64, or complex128 if complex."""
+    X = np.asarray(X)
+    return X.astype(np.result_type(X.dtype, np.float64))
+
+
 def dense(Q):
     """The factor as a matrix: Q itself, or diag(q) for a diagonal factor."""
-    Q = np.asarray(Q, np.float64)
+    Q = _as64(Q)
     return np.diag(Q) if Q.ndim == 1 else Q
 
 
 def preconditioner_matrix(Ql, Qr):
-    """P = (Q_rᵀQ_r) ⊗ (Q_lᵀQ_l): vec(P·G) = P·vec(G), vec column-major."""
+    """P = (Q_rᵀQ_r) ⊗ (Q_lᵀQ_l): vec(P·G) = P·vec(G), vec column-major
+    (complex: (Q_rᴴQ_r) ⊗ (Q_lᴴQ_l))."""
     L, R = dense(Ql), dense(Qr)
-    return np.kron(R.T @ R, L.T @ L)
+    return np.kron(R.conj().T @ R, L.conj().T @ L)
 
 
 def precondition(Ql, Qr, G):
     """P·G through the explicit Kronecker matrix."""
-    G = np.asarray(G, np.float64)
+    G = _as64(G)
     return (preconditioner_matrix(Ql, Qr) @ G.flatten(order="F")).reshape(
         G.shape, order="F"
     )
@@ -60,13 +73,16 @@ def noise_grams_by_basis(Ql, Qr):
     quadratic f, E_ab the unit matrices."""
     L_inv, R_inv = np.linalg.inv(dense(Ql)), np.linalg.inv(dense(Qr))
     d1, d2 = L_inv.shape[0], R_inv.shape[0]
-    left, right = np.zeros((d1, d1)), np.zeros((d2, d2))
+    dtype = np.result_type(L_inv, R_inv)
+    left, right = np.zeros((d1, d1), dtype), np.zeros((d2, d2), dtype)
+    # Complex V: circular (E[V_ab V̄_cd] = δ_ac δ_bd, E[V_ab V_cd] = 0), and
+    # BBᴴ only pairs V with V̄, so the same sum over unit matrices holds.
     for a, b in itertools.product(range(d1), range(d2)):
         E = np.zeros((d1, d2))
         E[a, b] = 1
-        B = L_inv.T @ E @ R_inv
-        left += B @ B.T
-        right += B.T @ B
+        B = L_inv.conj().T @ E @ R_inv.conj()
+        left += B @ B.conj().T
+        right += B.T @ B.conj()
     return left, right
 
 
@@ -78,15 +94,15 @@ def update(Ql, Qr, H, V, lr, order="2nd"):
     for diagonal) or η/lb(∇) ('1st', max|∇| for diagonal); Q ← Q − μ∇Q.
     """
     L, R = dense(Ql), dense(Qr)
-    H = np.asarray(H, np.float64)
+    H = _as64(H)
     A = L @ H @ R.T
     if V is None:
         BBt, BtB = noise_grams_by_basis(Ql, Qr)
     else:
-        B = np.linalg.inv(L).T @ np.asarray(V, np.float64) @ np.linalg.inv(R)
-        BBt, BtB = B @ B.T, B.T @ B
+        B = np.linalg.inv(L).conj().T @ _as64(V) @ np.linalg.inv(R).conj()
+        BBt, BtB = B @ B.conj().T, B.T @ B.conj()
     new = []
-    for Q, T1, T2 in ((Ql, A @ A.T, BBt), (Qr, A.T @ A, BtB)):
+    for Q, T1, T2 in ((Ql, A @ A.conj().T, BBt), (Qr, A.T @ A.conj(), BtB)):
         grad = _restrict(T1 - T2, Q)
         total = _restrict(T1 + T2, Q)
         if np.ndim(Q) == 1:
@@ -101,9 +117,9 @@ def update(Ql, Qr, H, V, lr, order="2nd"):
 def first_scale(H, V):
     """Both factors' factor at the first fit with automatic scaling:
     (Σv²/Σh²)^{1/8}, with Σv² = numel when V is integrated out (None)."""
-    H = np.asarray(H, np.float64)
-    v_energy = H.size if V is None else np.sum(np.asarray(V, np.float64) ** 2)
-    return (v_energy / np.sum(H**2)) ** 0.125
+    H = _as64(H)
+    v_energy = H.size if V is None else np.sum(np.abs(_as64(V)) ** 2)
+    return (v_energy / np.sum(np.abs(H) ** 2)) ** 0.125
 
 
 def init_factors(view, scale=1.0, max_size=4096, max_skew=128):

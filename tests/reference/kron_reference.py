@@ -74,17 +74,19 @@ def unfold(X: np.ndarray, axis: int) -> np.ndarray:
 
 def norm_lower_bound(S: np.ndarray) -> float:
     """lb(S) of algorithms.md: s = max|S|, Ŝ = S/s, x = the column of Ŝ with the
-    largest norm, y = xᵀŜ, lb = s·‖(y/‖y‖)Ŝᵀ‖₂; 0 for S = 0."""
-    S = np.asarray(S, dtype=np.float64)
+    largest norm, y = xᵀŜ, lb = s·‖(y/‖y‖)Ŝᵀ‖₂; 0 for S = 0. A complex S is
+    kept complex (every ᵀ is then ᴴ)."""
+    S = np.asarray(S)
+    S = S.astype(np.result_type(S.dtype, np.float64))
     s = np.max(np.abs(S))
     if s == 0:
         return 0.0
     S_hat = S / s
-    j = int(np.argmax(np.sum(S_hat**2, axis=0)))
+    j = int(np.argmax(np.sum(np.abs(S_hat) ** 2, axis=0)))
     x = S_hat[:, j]
-    y = x @ S_hat
+    y = x.conj() @ S_hat
     y = y / np.linalg.norm(y)
-    return float(s * np.linalg.norm(y @ S_hat.T))
+    return float(s * np.linalg.norm(y @ S_hat.conj().T))
 
 
 def add_damping_noise(G: np.ndarray, V: np.ndarray) -> np.ndarray:
@@ -258,3 +260,65 @@ def update_factors_hermitian(
             step = lr / (norm_lower_bound_hermitian(T1 + T2) + TINY)
             new_Qs.append(Q - step * np.triu(T1 - T2) @ Q)
     return new_Qs
+
+
+def add_damping_noise_hermitian(G: np.ndarray, V: np.ndarray) -> np.ndarray:
+    """:func:`add_damping_noise` over ℂ: G̃ = G + 2^-11.5·mean|G|·V, |G| the
+    modulus."""
+    G = np.asarray(G, dtype=np.complex128)
+    return G + DAMPING_SCALE * np.mean(np.abs(G)) * np.asarray(V, np.complex128)
+
+
+def procrustes_step_hermitian(Q: np.ndarray) -> np.ndarray:
+    """:func:`procrustes_step` over ℂ: R = Qᴴ − Q (skew-Hermitian, exp(aR)
+    unitary), R ← R/lb(R); with t1 = Re tr(RQ), t2 = Re tr(R²Q):
+    a = min(−t1/t2, 1/8) if t2 < 0 else 1/8; Q ← Q + a·RQ + (a²/2)·R²Q."""
+    Q = np.asarray(Q, dtype=np.complex128)
+    R = Q.conj().T - Q
+    R = R / (norm_lower_bound_hermitian(R) + TINY)
+    t1, t2 = np.trace(R @ Q).real, np.trace(R @ R @ Q).real
+    a = min(-t1 / t2, 0.125) if t2 < 0 else 0.125
+    return Q + a * R @ Q + 0.5 * a * a * R @ R @ Q
+
+
+def update_factors_gen2_hermitian(
+    Qs: Sequence[np.ndarray],
+    Ls: Sequence[float],
+    G: np.ndarray,
+    targets: Sequence[np.ndarray],
+    lr: float,
+    style: str,
+    lipschitz_decay: float = 0.95,
+) -> tuple[list[np.ndarray], list[float]]:
+    """:func:`update_factors_gen2` over ℂ: vec(Pg) = (⊗ Q_iᴴQ_i)·vec(G),
+    T1 = Pg_(i)Pg_(i)ᴴ (real diagonal for a diagonal factor), E = T1 − T2;
+    PRO: Q ← :func:`procrustes_step_hermitian` (Q − μEQ), q ← q(1 − μE);
+    QUAD: Q' = Q − (μ/2)EQ, Q'' = Q' − (μ/2)Q'E, Q ← (Q'' + Q''ᴴ)/2,
+    q ← q(1 − (μ/2)E)²."""
+    Pg = precondition_hermitian(Qs, G)
+    new_Qs, new_Ls = [], []
+    for axis, (Q, L, T2) in enumerate(zip(Qs, Ls, targets, strict=True)):
+        Q = np.asarray(Q, dtype=np.complex128)
+        Pg_i = np.moveaxis(Pg, axis, 0).reshape(Pg.shape[axis], -1)
+        T1 = Pg_i @ Pg_i.conj().T
+        if Q.ndim == 1:
+            T1 = np.real(np.diag(T1))
+            T2 = np.real(np.asarray(T2))
+            ell = np.max(T1) + np.max(T2)
+        else:
+            T2 = np.asarray(T2, dtype=np.complex128)
+            ell = norm_lower_bound_hermitian(T1) + norm_lower_bound_hermitian(T2)
+        L = max(lipschitz_decay * L + (1 - lipschitz_decay) * ell, ell)
+        mu = lr / (L + TINY)
+        E = T1 - T2
+        if Q.ndim == 1:
+            Q = Q * (1 - mu * E) if style == "PRO" else Q * (1 - 0.5 * mu * E) ** 2
+        elif style == "PRO":
+            Q = procrustes_step_hermitian(Q - mu * E @ Q)
+        else:
+            Q = Q - 0.5 * mu * E @ Q
+            Q = Q - 0.5 * mu * Q @ E
+            Q = 0.5 * (Q + Q.conj().T)
+        new_Qs.append(Q)
+        new_Ls.append(L)
+    return new_Qs, new_Ls

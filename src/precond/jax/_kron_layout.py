@@ -36,6 +36,7 @@ class TensorPlan(NamedTuple):
     shape: tuple[int, ...]  # shape of one layer after merging
     diagonal: tuple[bool, ...]  # per axis of ``shape``: diagonal factor or triangular
     block_shape: tuple[int, ...]  # shape of one unit: ``shape`` cut to the block size
+    complex: bool = False  # complex entries: complex factors, in their own stacks
 
     @property
     def blocks_per_axis(self) -> tuple[int, ...]:
@@ -66,6 +67,7 @@ class StackPlan(NamedTuple):
     unit_ids: np.ndarray  # (units, 2) int32: (parameter index, unit index within it);
     # the noise of a unit is drawn from these, so it is the same however the stack is
     # split; empty padding units get (PADDING_UNIT, i)
+    complex: bool = False  # units of complex parameters (complex factors)
 
     @property
     def real_units(self) -> int:
@@ -84,12 +86,14 @@ def plan_tensor(
     merge_small_dims: bool,
     target_merged_dim_size: int,
     block_size: int | None,
+    complex: bool = False,
 ) -> TensorPlan:
     """Plans one parameter: its layers, merged shape, factor structure and blocks.
 
     Factor structure is decided on the (unmerged) layer shape; a merged axis is
     diagonal iff all its source axes are, or if it exceeds ``max_size_triangular``.
-    ``block_size=None`` keeps every axis whole.
+    ``block_size=None`` keeps every axis whole. ``complex``: the parameter is
+    complex (its units get complex factors and are never stacked with real ones).
     """
     if scanned and not shape:
         raise ValueError(
@@ -114,7 +118,7 @@ def plan_tensor(
     block_shape = tuple(
         d if block_size is None else min(d, block_size) for d in layer_shape
     )
-    return TensorPlan(scanned, layer_shape, diagonal, block_shape)
+    return TensorPlan(scanned, layer_shape, diagonal, block_shape, complex)
 
 
 def unit_extents(plan: TensorPlan, lead: tuple[int, ...]) -> np.ndarray:
@@ -129,7 +133,8 @@ def unit_extents(plan: TensorPlan, lead: tuple[int, ...]) -> np.ndarray:
 def plan_stacks(
     plans: Sequence[TensorPlan], shapes: Sequence[tuple], units_multiple_of: int = 1
 ) -> list[StackPlan]:
-    """Groups the units of all parameters by (block shape, factor structure).
+    """Groups the units of all parameters by (block shape, factor structure, real
+    or complex).
 
     Parameters with no entries have no units and belong to no stack. Each stack
     is padded with empty units to a multiple of ``units_multiple_of``.
@@ -138,9 +143,11 @@ def plan_stacks(
     for index, plan in enumerate(plans):
         if math.prod(shapes[index]) == 0:
             continue
-        groups.setdefault((plan.block_shape, plan.diagonal), []).append(index)
+        groups.setdefault((plan.block_shape, plan.diagonal, plan.complex), []).append(
+            index
+        )
     stacks = []
-    for (block_shape, diagonal), members in groups.items():
+    for (block_shape, diagonal, complex_units), members in groups.items():
         extents = [unit_extents(plans[i], plans[i].lead(shapes[i])) for i in members]
         ids = [
             np.stack([np.full(len(e), i), np.arange(len(e))], axis=1)
@@ -158,6 +165,7 @@ def plan_stacks(
                 tuple(members),
                 np.concatenate(extents).astype(np.int32),
                 np.concatenate(ids).astype(np.int32),
+                complex_units,
             )
         )
     return stacks

@@ -10,6 +10,14 @@ arXiv:1809.10232):
 * ``V``: standard normal noise with the shape of ``G``.
 * ``X ×_i M``: mode-i product, multiplying the matrix M into axis i of X.
 
+Complex tensors: every ᵀ above is the conjugate transpose ᴴ (P = ⊗_i Q_iᴴQ_i is
+Hermitian positive definite, grams are X_(i)X_(i)ᴴ, solves use Q_i^{-H}, squares
+are |x|²), V is circular complex normal with E|v|² = 1 (real and imaginary parts
+N(0, 1/2), what ``jax.random.normal`` draws for a complex dtype: E[VVᴴ] = I as in
+the real case, so every target and scale is unchanged), triangular factors keep a
+real diagonal and the 'PRO' rotation is unitary. For real tensors every
+conjugation is a no-op and the kernels are the real ones, bit for bit.
+
 A *packed* triangular factor is a (d + 1, d) array holding Q in its upper triangle
 (diagonal included), the strict lower triangle of P_i = Q_iᵀQ_i below it, and
 diag(P_i) in its last row. It stores Q and the cached QᵀQ in about the memory of Q
@@ -21,6 +29,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +38,47 @@ import jax.numpy as jnp
 DAMPING_SCALE = float(jnp.finfo(jnp.float32).eps) ** 0.5
 # Added to step-size denominators so an all-zero gradient never divides by zero.
 TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def is_complex(x: Any) -> bool:
+    """Whether an array (or a dtype, or a ShapeDtypeStruct) is complex."""
+    return jnp.issubdtype(getattr(x, "dtype", x), jnp.complexfloating)
+
+
+def complex_dtype(dtype: Any) -> jnp.dtype:
+    """The complex dtype holding ``dtype``'s precision: complex64 for float32 (and
+    for bfloat16 and float16: there is no smaller complex type), complex128 for
+    float64; complex dtypes are returned as they are."""
+    return jnp.dtype(jnp.promote_types(dtype, jnp.complex64))
+
+
+def real_dtype(dtype: Any) -> jnp.dtype:
+    """The real dtype of ``dtype``'s entries (float32 for complex64)."""
+    return jnp.dtype(jnp.finfo(dtype).dtype)
+
+
+def conj(x: jax.Array) -> jax.Array:
+    """x̄ (no operation at all on a real array)."""
+    return jnp.conj(x) if is_complex(x) else x
+
+
+def conj_transpose(M: jax.Array) -> jax.Array:
+    """Mᴴ of a matrix (Mᵀ for a real one)."""
+    return conj(M).T
+
+
+def squared_magnitude(x: jax.Array) -> jax.Array:
+    """|x|² elementwise, real: x·x for a real x, re² + im² for a complex one."""
+    if is_complex(x):
+        return jnp.square(x.real) + jnp.square(x.imag)
+    return x * x
+
+
+def hermitian_part(S: jax.Array) -> jax.Array:
+    """(S + Sᴴ)/2 for a complex S (its diagonal exactly real); S if real."""
+    if is_complex(S):
+        return 0.5 * (S + conj_transpose(S))
+    return S
 
 
 def is_diagonal(factor: jax.Array) -> bool:
@@ -53,23 +103,27 @@ def apply_along_axes(factors: Sequence[jax.Array], X: jax.Array) -> jax.Array:
 
 
 def unfold_gram(X: jax.Array, axis: int, diagonal: bool) -> jax.Array:
-    """X_(i) X_(i)ᵀ: contracts every axis but ``axis`` (only the diagonal if asked)."""
+    """X_(i) X_(i)ᴴ: contracts every axis but ``axis`` (only the diagonal, real, if
+    asked). Exactly Hermitian for a complex X."""
     others = tuple(a for a in range(X.ndim) if a != axis)
     if diagonal:
-        return jnp.sum(X * X, axis=others)
-    return jnp.tensordot(X, X, axes=(others, others))
+        return jnp.sum(squared_magnitude(X), axis=others)
+    return hermitian_part(jnp.tensordot(X, conj(X), axes=(others, others)))
 
 
 def solve_transposed_along_axis(Q: jax.Array, X: jax.Array, axis: int) -> jax.Array:
-    """X ×_axis Q^{-T} for an upper-triangular Q (a vector Q divides)."""
+    """X ×_axis Q^{-T} (Q^{-H} if complex) for an upper-triangular Q (a vector Q
+    divides)."""
     if Q.ndim == 1:
         shape = [1] * X.ndim
         shape[axis] = Q.shape[0]
-        return X / Q.reshape(shape)
+        return X / conj(Q).reshape(shape)
     moved = jnp.moveaxis(X, axis, -1)
     rows = moved.reshape(-1, moved.shape[-1])
-    # Row-vector form of Q^{-T} x: solve y Q = xᵀ for y.
-    solved = jax.lax.linalg.triangular_solve(Q, rows, left_side=False, lower=False)
+    # Row-vector form of Q^{-H} x: solve y Q̄ = xᵀ for y.
+    solved = jax.lax.linalg.triangular_solve(
+        Q, rows, left_side=False, lower=False, conjugate_a=is_complex(Q)
+    )
     return jnp.moveaxis(solved.reshape(moved.shape), -1, axis)
 
 
@@ -77,26 +131,27 @@ def norm_lower_bound(S: jax.Array) -> jax.Array:
     """A cheap lower bound on the spectral norm ‖S‖₂ of a square matrix S.
 
     With s = max|S|, Ŝ = S/s and x the column of Ŝ with the largest norm,
-    returns s·‖Ŝ Ŝᵀ x‖/‖Ŝᵀ x‖ (two steps of power iteration on ŜŜᵀ from x). It
+    returns s·‖Ŝ Ŝᴴ x‖/‖Ŝᴴ x‖ (two steps of power iteration on ŜŜᴴ from x). It
     satisfies ‖S‖_F/√d ≤ max column norm ≤ bound ≤ ‖S‖₂, so it is within a factor
     √d of the spectral norm, and much closer in practice. Returns 0 for S = 0.
+    The bound is real (of S's real dtype) for a complex S.
     """
     scale = jnp.max(jnp.abs(S))
     safe_scale = jnp.where(scale > 0, scale, 1)
     S_hat = S / safe_scale
-    column = jnp.argmax(jnp.sum(S_hat * S_hat, axis=0))
+    column = jnp.argmax(jnp.sum(squared_magnitude(S_hat), axis=0))
     x = jax.lax.dynamic_index_in_dim(S_hat, column, axis=1, keepdims=False)
-    y = x @ S_hat
+    y = conj(x) @ S_hat  # conj(Ŝᴴx)
     y_norm = jnp.linalg.norm(y)
     y = y / jnp.where(y_norm > 0, y_norm, 1)
-    bound = safe_scale * jnp.linalg.norm(y @ S_hat.T)
-    return jnp.where(scale > 0, bound, 0).astype(S.dtype)
+    bound = safe_scale * jnp.linalg.norm(y @ conj_transpose(S_hat))
+    return jnp.where(scale > 0, bound, 0).astype(real_dtype(S.dtype))
 
 
 def add_damping_noise(
     G: jax.Array, V: jax.Array, valid_count: jax.Array | int | None = None
 ) -> jax.Array:
-    """G̃ = G + sqrt(ε_f32)·mean|G|·V.
+    """G̃ = G + sqrt(ε_f32)·mean|G|·V (|G| the modulus for a complex G).
 
     The noise keeps the fit well posed when G is tiny or rank deficient. For a
     zero-padded block, pass the number of real entries as ``valid_count`` so the
@@ -187,26 +242,32 @@ def balance_factors(
 
 
 def factor_gram(Q: jax.Array) -> jax.Array:
-    """P_i = Q_iᵀQ_i for a matrix factor, q_i² for a diagonal one."""
-    return Q * Q if Q.ndim == 1 else Q.T @ Q
+    """P_i = Q_iᵀQ_i (Q_iᴴQ_i) for a matrix factor, q_i² (|q_i|²) for a diagonal
+    one."""
+    if Q.ndim == 1:
+        return conj(Q) * Q
+    return hermitian_part(conj_transpose(Q) @ Q)
 
 
 def precondition(Qs: Sequence[jax.Array], G: jax.Array) -> jax.Array:
-    """U = P·G = G ×_1 Q_1ᵀQ_1 … ×_k Q_kᵀQ_k, applying Q_i then Q_iᵀ per axis."""
+    """U = P·G = G ×_1 Q_1ᵀQ_1 … ×_k Q_kᵀQ_k, applying Q_i then Q_iᵀ (Q_iᴴ) per
+    axis."""
     for axis, Q in enumerate(Qs):
         G = mode_product(G, Q, axis)
-        G = mode_product(G, Q if Q.ndim == 1 else Q.T, axis)
+        G = mode_product(G, conj(Q) if Q.ndim == 1 else conj_transpose(Q), axis)
     return G
 
 
 def precondition_with_grams(Ps: Sequence[jax.Array], G: jax.Array) -> jax.Array:
-    """U = G ×_1 P_1 … ×_k P_k with precomputed (symmetric) P_i = Q_iᵀQ_i."""
+    """U = G ×_1 P_1 … ×_k P_k with precomputed (symmetric or Hermitian)
+    P_i = Q_iᵀQ_i."""
     return apply_along_axes(Ps, G)
 
 
 def pack_factor(Q: jax.Array) -> jax.Array:
-    """Packs upper-triangular Q and P = QᵀQ into one (d + 1, d) array (module doc)."""
-    P = Q.T @ Q
+    """Packs upper-triangular Q and P = QᵀQ (QᴴQ) into one (d + 1, d) array (module
+    doc)."""
+    P = factor_gram(Q)
     body = jnp.triu(Q) + jnp.tril(P, -1)
     return jnp.concatenate([body, jnp.diagonal(P)[None, :]], axis=0)
 
@@ -217,9 +278,9 @@ def unpack_factor(packed: jax.Array) -> jax.Array:
 
 
 def unpack_gram(packed: jax.Array) -> jax.Array:
-    """The symmetric P = QᵀQ stored in a packed factor."""
+    """The symmetric (Hermitian) P = QᵀQ stored in a packed factor."""
     strict_lower = jnp.tril(packed[:-1], -1)
-    return strict_lower + strict_lower.T + jnp.diag(packed[-1])
+    return strict_lower + conj_transpose(strict_lower) + jnp.diag(packed[-1])
 
 
 # Generation-2 update rules (preconditioner_update_style): no triangular solves.
@@ -249,13 +310,15 @@ def procrustes_step(Q: jax.Array) -> jax.Array:
     R = Qᵀ − Q (skew), normalised by a lower bound of ‖R‖₂; the rotation
     exp(aR)·Q ≈ Q + aRQ + (a²/2)R²Q with a maximising tr(exp(aR)Q) to second
     order, a = min(−tr(RQ)/tr(R²Q), 1/8) when tr(R²Q) < 0, else 1/8. It leaves
-    P = QᵀQ unchanged to second order in a.
+    P = QᵀQ unchanged to second order in a. Complex Q: R = Qᴴ − Q is
+    skew-Hermitian, exp(aR) unitary, and the traces are their real parts (a
+    maximises Re tr(exp(aR)Q), the pull toward the Hermitian polar factor).
     """
-    R = Q.T - Q
+    R = conj_transpose(Q) - Q
     R = R / (norm_lower_bound(R) + TINY)
     RQ = R @ Q
     RRQ = R @ RQ
-    tr_RQ, tr_RRQ = jnp.trace(RQ), jnp.trace(RRQ)
+    tr_RQ, tr_RRQ = jnp.real(jnp.trace(RQ)), jnp.real(jnp.trace(RRQ))
     a = jnp.where(
         tr_RRQ < 0,
         jnp.minimum(-tr_RQ / jnp.where(tr_RRQ < 0, tr_RRQ, -1), MAX_PROCRUSTES_STEP),
@@ -285,7 +348,7 @@ def update_factors_gen2(
         PRO:  Q ← Q − μ(T1 − T2)Q, then :func:`procrustes_step`;
               q ← q⊙(1 − μ(T1 − T2)) for a diagonal factor.
         QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
-              Q ← (Q'' + Q''ᵀ)/2 (Q stays symmetric);
+              Q ← (Q'' + Q''ᵀ)/2 (Q stays symmetric; Hermitian if complex);
               q ← q⊙(1 − (μ/2)(T1 − T2))² for a diagonal factor.
 
     ``G`` should already carry its damping noise. Returns the new factors and L_i.
@@ -311,7 +374,7 @@ def update_factors_gen2(
         else:
             Q = Q - (0.5 * mu) * (E @ Q)
             Q = Q - (0.5 * mu) * (Q @ E)
-            Q = 0.5 * (Q + Q.T)
+            Q = 0.5 * (Q + conj_transpose(Q))
         new_Qs.append(Q)
         new_L.append(L.astype(jnp.asarray(lipschitz[axis]).dtype))
     return new_Qs, new_L
@@ -319,5 +382,6 @@ def update_factors_gen2(
 
 def add_relative_damping_noise(G: jax.Array, V: jax.Array) -> jax.Array:
     """G̃ = G + (δ + ε·|G|)⊙V with δ = 1e-9 and ε the machine epsilon of G's
-    dtype: the generation-2 rules' elementwise damping (V zero on padding)."""
+    dtype (of its real part for a complex G): the generation-2 rules'
+    elementwise damping (V zero on padding)."""
     return G + (1e-9 + jnp.finfo(G.dtype).eps * jnp.abs(G)) * V

@@ -40,6 +40,7 @@ from precond.jax._guards import (
     check_state_matches,
     gradients_are_usable,
 )
+from precond.jax._kron_math import complex_dtype, is_complex
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 from precond.jax.hessian import newton_arguments
 
@@ -141,6 +142,13 @@ def key_from_seed(seed: jax.Array | int | None) -> jax.Array:
     return seed
 
 
+def momentum_dtype(mu_dtype: Any | None, param: Any) -> jnp.dtype:
+    """``mu_dtype`` (default the parameter's); its complex counterpart for a
+    complex parameter (a real momentum would drop the imaginary part)."""
+    dtype = jnp.dtype(mu_dtype or param.dtype)
+    return complex_dtype(dtype) if is_complex(param) else dtype
+
+
 def scale_by_psgd(
     preconditioner: Preconditioner,
     *,
@@ -182,7 +190,7 @@ def scale_by_psgd(
         mu = None
         if keep_momentum:
             mu = jax.tree.map(
-                lambda p: jnp.zeros_like(p, dtype=mu_dtype or p.dtype), params
+                lambda p: jnp.zeros_like(p, dtype=momentum_dtype(mu_dtype, p)), params
             )
         scale = 1.0 if auto_scale else precond_init_scale
         key, init_key = jax.random.split(key_from_seed(seed))

@@ -116,13 +116,19 @@ def expected_noise_grams(Qs: Sequence[jax.Array]) -> list[jax.Array]:
     with tr(Q^{-1}Q^{-T}) = ‖Q^{-1}‖_F². For the matrix view: E[BBᵀ] =
     tr(Q_r⁻¹Q_r⁻ᵀ)·Q_l⁻ᵀQ_l⁻¹ and E[BᵀB] = tr(Q_l⁻¹Q_l⁻ᵀ)·Q_r⁻ᵀQ_r⁻¹. Only the
     diagonal (a vector) for a diagonal factor.
+
+    Complex factors: B = V ×_i Q_i^{-H} with circular V (E[v v̄] = 1, E[v v] =
+    0), E[B_(i)B_(i)ᴴ] = (∏_{j≠i} ‖Q_j^{-1}‖_F²)·Q_i^{-H}Q_i^{-1}.
     """
     inverses = [_inverse(Q) for Q in Qs]
-    traces = [jnp.sum(inverse * inverse) for inverse in inverses]
+    traces = [jnp.sum(km.squared_magnitude(inverse)) for inverse in inverses]
     grams = []
     for i, inverse in enumerate(inverses):
         others = math.prod(traces[:i] + traces[i + 1 :])
-        gram = inverse * inverse if inverse.ndim == 1 else inverse.T @ inverse
+        if inverse.ndim == 1:
+            gram = km.squared_magnitude(inverse)
+        else:
+            gram = km.hermitian_part(km.conj_transpose(inverse) @ inverse)
         grams.append(others * gram)
     return grams
 
@@ -223,14 +229,14 @@ def affine_preconditioner(
         h = h.astype(dtype)
         if v is not None:
             v = v.astype(dtype)
-            v_energy = jnp.sum(v * v)
+            v_energy = jnp.sum(km.squared_magnitude(v))
         elif integrates_noise_out(factors):
-            v_energy = jnp.asarray(h.size, dtype)
+            v_energy = jnp.asarray(h.size, km.real_dtype(dtype))
         else:
             v = jax.random.normal(key, h.shape, dtype)
-            v_energy = jnp.sum(v * v)
+            v_energy = jnp.sum(km.squared_magnitude(v))
         tiny = jnp.finfo(dtype).tiny
-        scale = (v_energy / (jnp.sum(h * h) + tiny)) ** 0.125
+        scale = (v_energy / (jnp.sum(km.squared_magnitude(h)) + tiny)) ** 0.125
         factors = [jnp.where(first, Q * scale, Q) for Q in factors]
         # Balancing only rescales (O(d²) work): a select, not a branch.
         balanced = km.balance_factors(factors)
@@ -380,6 +386,15 @@ def affine(
 
     θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_affine` (see it for the
     other arguments).
+
+    Complex parameters: supported, mixed freely with real ones (factors are per
+    parameter: complex for complex parameters). The preconditioner is Hermitian, P =
+    (Q_rᴴQ_r) ⊗ (Q_lᴴQ_l), i.e. P·G = Q_lᴴQ_l·G·(Q_rᴴQ_r)ᵀ (Kron's mode-product
+    convention), fitted with conjugate transposes; the integrated-out noise is
+    circular complex normal. As for every optax optimizer on complex parameters,
+    pass the conjugate of ``jax.grad`` (which returns conj(2∂L/∂z̄) for a real loss,
+    the conjugate of the descent direction): ``grads = jax.tree.map(jnp.conj,
+    jax.grad(loss)(params))`` (:func:`precond.jax.hessian_helper` returns it so).
 
     Example:
         >>> optimizer = affine(learning_rate=0.01)  # doctest: +SKIP

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from precond._common.validation import check_real, is_concrete_number
+from precond.jax._kron_math import conj
 
 # Extra arguments of an optimizer's ``update`` that switch its fit to Newton mode.
 NEWTON_ARGS = ("Hvp", "vector", "update_preconditioner")
@@ -72,6 +73,13 @@ def hessian_helper(
     step does not update the preconditioner: a ``lax.cond`` computes only the loss
     and g, and h is zeros.
 
+    Complex parameters: ``jax.grad`` of a real loss returns the conjugate of the
+    descent direction (conj of 2∂L/∂z̄), and optax applies updates as p + u, so,
+    as optax's own complex-valued tests do, complex leaves of ``grads`` and
+    ``hvp`` are returned conjugated: g = 2∂L/∂z̄ and h = H·v with the Hermitian
+    Hessian H; ``vector`` is circular complex normal (E|v|² = 1). Real leaves
+    are untouched.
+
     Args:
         key: PRNG key of this step (the update decision and v).
         loss_fn: ``loss_fn(params, *loss_fn_extra_args)`` → loss, or (loss, aux)
@@ -112,13 +120,13 @@ def hessian_helper(
 
     def without_hvp(params):
         loss_out, grads = value_and_grad(params, *loss_fn_extra_args)
-        return loss_out, grads, jax.tree.map(jnp.zeros_like, params)
+        return loss_out, jax.tree.map(conj, grads), jax.tree.map(jnp.zeros_like, params)
 
     def with_hvp(params):
         (loss_out, grads), (_, hvp) = jax.jvp(
             lambda p: value_and_grad(p, *loss_fn_extra_args), (params,), (vector,)
         )
-        return loss_out, grads, hvp
+        return loss_out, jax.tree.map(conj, grads), jax.tree.map(conj, hvp)
 
     never = train_step is None and (
         is_concrete_number(preconditioner_update_probability)

@@ -72,6 +72,12 @@ class KronState(NamedTuple):
     lipschitz: tuple | None = None
 
 
+def _momentum_dtype(mu_dtype: Any | None, param: Any) -> jnp.dtype:
+    """``mu_dtype`` (default the parameter's), complex for a complex parameter."""
+    dtype = jnp.dtype(mu_dtype or param.dtype)
+    return km.complex_dtype(dtype) if km.is_complex(param) else dtype
+
+
 def _saturating_increment(count: jax.Array) -> jax.Array:
     return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
 
@@ -162,6 +168,8 @@ def scale_by_kron(
     (H·v, v) instead, without damping noise, so that P → H⁻¹ in the
     Kronecker-factored sense; ``flag`` replaces the update probability.
 
+    Complex parameters: P = ⊗_i Q_iᴴQ_i (Hermitian); see :func:`kron`.
+
     Non-finite gradients: if any gradient (or Hvp) entry is NaN or ±Inf the whole
     step is skipped: the returned update is zero and the state (momentum, factors,
     counts) is returned unchanged, so one bad batch never corrupts the
@@ -182,7 +190,10 @@ def scale_by_kron(
         mu_dtype: momentum dtype (default: the gradient's).
         precond_dtype: storage dtype of the factors (default float32). The
             factors are updated and applied in at least float32, so bfloat16
-            halves their memory; prefer a generation-2 style with it.
+            halves their memory; prefer a generation-2 style with it. Complex
+            parameters' factors use its complex counterpart (complex64 for
+            float32 and bfloat16, which has no complex type; complex128 for
+            float64).
         precond_update_precision: matmul precision of factor updates.
         precond_grads_precision: matmul precision of applying the preconditioner.
         scanned_layers: pytree of bools with the structure of the params (or a
@@ -302,6 +313,7 @@ def scale_by_kron(
                 merge_small_dims=merge_small_dims,
                 target_merged_dim_size=target_merged_dim_size,
                 block_size=block_size if partition_grads_into_blocks else None,
+                complex=km.is_complex(x),
             )
             for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
         ]
@@ -315,45 +327,59 @@ def scale_by_kron(
         stacks = layout.plan_stacks(plans, shapes, units_multiple_of=sharding.shards)
         return treedef, plans, stacks, sharding
 
+    def storage_dtype(x) -> jnp.dtype:
+        """precond_dtype, or its complex counterpart for complex factors."""
+        return km.complex_dtype(precond_dtype) if km.is_complex(x) else precond_dtype
+
+    def working(x: jax.Array) -> jax.Array:
+        """A stored factor in its compute dtype: compute_dtype, or its complex
+        counterpart for complex factors."""
+        return x.astype(
+            km.complex_dtype(compute_dtype) if km.is_complex(x) else compute_dtype
+        )
+
     def stored(Q: jax.Array) -> jax.Array:
         """The state array of a matrix factor, in the cache layout, precond_dtype."""
         if cache == "packed":
             Q = km.pack_factor(Q)
         elif cache == "dense":
             Q = jnp.stack([Q, km.factor_gram(Q)])
-        return Q.astype(precond_dtype)
+        return Q.astype(storage_dtype(Q))
 
     def factor_of(F: jax.Array) -> jax.Array:
         """Q_i (or the diagonal q_i) from a factor's state array."""
-        F = F.astype(compute_dtype)
+        F = working(F)
         if F.ndim == 1 or cache is None:
             return F
         if cache == "dense":
             return F[0]
         Q = km.unpack_factor(F)  # its upper triangle
-        if preconditioner_update_style == "QUAD":  # symmetric
-            Q = Q + jnp.triu(Q, 1).T
+        if preconditioner_update_style == "QUAD":  # symmetric (Hermitian)
+            Q = Q + km.conj_transpose(jnp.triu(Q, 1))
         return Q
 
     def gram_of(F: jax.Array) -> jax.Array:
-        """P_i = Q_iᵀQ_i from a cached factor's state array."""
-        F = F.astype(compute_dtype)
+        """P_i = Q_iᵀQ_i (Q_iᴴQ_i) from a cached factor's state array."""
+        F = working(F)
         if F.ndim == 1:
-            return F * F
+            return km.factor_gram(F)
         return km.unpack_gram(F) if cache == "packed" else F[1]
 
     def init_stack(stack: StackPlan, sharding: ShardingPlan) -> tuple[jax.Array, ...]:
         """Factors of every unit of a stack: s^{1/k}·I (or s^{1/k}·1) per axis."""
         units = len(stack.extents)
+        dtype = km.complex_dtype(precond_dtype) if stack.complex else precond_dtype
         scale = jnp.asarray(preconditioner_init_scale, precond_dtype) ** (
             1.0 / len(stack.block_shape)
         )
         factors = []
         for size, diagonal in zip(stack.block_shape, stack.diagonal, strict=True):
             if diagonal:
-                factor = scale * jnp.ones((size,), precond_dtype)
+                factor = (scale * jnp.ones((size,), precond_dtype)).astype(dtype)
             else:
-                factor = stored(scale * jnp.eye(size, dtype=precond_dtype))
+                factor = stored(
+                    (scale * jnp.eye(size, dtype=precond_dtype)).astype(dtype)
+                )
             factor = jnp.broadcast_to(factor, (units, *factor.shape))
             factors.append(sharding.constrain(factor, sharding.stack_spec))
         return tuple(factors)
@@ -368,7 +394,7 @@ def scale_by_kron(
                 mu = treedef.unflatten(
                     sharding.constrain_params(
                         [
-                            jnp.zeros_like(p, dtype=mu_dtype or p.dtype)
+                            jnp.zeros_like(p, dtype=_momentum_dtype(mu_dtype, p))
                             for p in jax.tree.leaves(params)
                         ]
                     )
@@ -481,7 +507,7 @@ def scale_by_kron(
         else:
             Qs = km.update_factors(Qs, G, V, preconditioner_lr)
         factors = tuple(
-            Q.astype(precond_dtype) if Q.ndim == 1 else stored(Q) for Q in Qs
+            Q.astype(storage_dtype(Q)) if Q.ndim == 1 else stored(Q) for Q in Qs
         )
         # A fit that overflowed (a gradient too large for the grams, yet usable:
         # _guards) keeps the unit's old factors, as the other PSGD variants do.
@@ -592,7 +618,7 @@ def scale_by_kron(
             mu_hats = []
             for m in mus:
                 dtype = jnp.promote_types(m.dtype, jnp.float32)
-                correction = 1 - jnp.asarray(b1, dtype) ** count
+                correction = 1 - jnp.asarray(b1, km.real_dtype(dtype)) ** count
                 mu_hats.append((m.astype(dtype) / correction).astype(m.dtype))
         else:
             mus, mu_hats = None, grads
@@ -617,7 +643,7 @@ def scale_by_kron(
 
         def stacked(tensors):
             views = [
-                x.reshape(lead + plan.shape).astype(compute_dtype)
+                working(x.reshape(lead + plan.shape))
                 for x, plan, lead in zip(tensors, plans, leads, strict=True)
             ]
             # Gathered whole first: the SPMD partitioner moves a sharded tensor into
@@ -688,7 +714,8 @@ def scale_by_kron(
                 continue
             # RMS clip per parameter (per layer of a scanned one).
             axes = tuple(range(len(lead), U.ndim))
-            rms = jnp.sqrt(jnp.mean(jnp.square(U), axis=axes, keepdims=True))
+            power = km.squared_magnitude(U) if km.is_complex(U) else jnp.square(U)
+            rms = jnp.sqrt(jnp.mean(power, axis=axes, keepdims=True))
             U = jnp.where(finite, U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS), 0)
             new_updates.append(U.reshape(g.shape).astype(g.dtype))
 
@@ -746,6 +773,18 @@ def kron(
     θ ← θ − lr·(U + λ·mask⊙θ) with U the preconditioned, RMS-clipped momentum of
     :func:`scale_by_kron` (see it for every other argument). Kron usually wants a
     learning rate about 3× smaller than Adam's.
+
+    Complex parameters: supported (complex64 and complex128, mixed freely with real
+    ones), in every update style and cache. The preconditioner is Hermitian, P = ⊗_i
+    Q_iᴴQ_i, fitted with conjugate transposes and circular complex noise
+    (:mod:`precond.jax._kron_math`); complex parameters get complex factors (the
+    complex counterpart of ``precond_dtype``: complex64 for float32 or bfloat16,
+    complex128 for float64) and complex momentum, in stacks of their own, so real
+    parameters are computed exactly as without them. As for every optax optimizer on
+    complex parameters, pass the conjugate of ``jax.grad`` (which returns
+    conj(2∂L/∂z̄) for a real loss, the conjugate of the descent direction): ``grads
+    = jax.tree.map(jnp.conj, jax.grad(loss)(params))``
+    (:func:`precond.jax.hessian_helper` returns it so).
 
     Args:
         learning_rate: float > 0 or a schedule of the step count.

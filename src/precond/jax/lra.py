@@ -90,13 +90,14 @@ def lra_balance(U: jax.Array, V: jax.Array) -> tuple[jax.Array, jax.Array]:
     """
     q_u, r_u = jnp.linalg.qr(U)
     q_v, r_v = jnp.linalg.qr(V)
-    x, sigma, y_t = jnp.linalg.svd(r_u @ r_v.T)
+    # Complex: R_u R_vᴴ = XΣYᴴ, V ← Q_v Y Σ^{1/2} (U·R, V·R⁻ᴴ keep UVᴴ).
+    x, sigma, y_t = jnp.linalg.svd(r_u @ conj_transpose(r_v))
     floor = U.shape[1] * jnp.finfo(U.dtype).eps * sigma[0]
     root = jnp.sqrt(jnp.maximum(sigma, floor))
     nonzero = sigma[0] > 0
     return (
         jnp.where(nonzero, q_u @ (x * root), U),
-        jnp.where(nonzero, q_v @ (y_t.T * root), V),
+        jnp.where(nonzero, q_v @ (conj_transpose(y_t) * root), V),
     )
 
 
@@ -332,6 +333,16 @@ def low_rank_approximation(
 
     θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_lra` (see it for the
     other arguments).
+
+    Complex parameters: supported. P = QᴴQ is Hermitian, Q = (I + UVᴴ)·diag(d) with
+    complex U, V, d, fitted with conjugate transposes and circular complex noise
+    (:func:`lra_update`). All parameters are flattened into one vector, so a tree
+    with any complex leaf is fitted in complex arithmetic (real leaves get the real
+    part of P·g, a descent direction for them). As for every optax optimizer on
+    complex parameters, pass the conjugate of ``jax.grad`` (which returns
+    conj(2∂L/∂z̄) for a real loss, the conjugate of the descent direction): ``grads
+    = jax.tree.map(jnp.conj, jax.grad(loss)(params))``
+    (:func:`precond.jax.hessian_helper` returns it so).
 
     Example:
         >>> optimizer = low_rank_approximation(learning_rate=0.01)  # doctest: +SKIP

@@ -17,6 +17,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from precond.jax._alias import with_decay_and_learning_rate
+from precond.jax._kron_math import conj, squared_magnitude
 from precond.jax._psgd_transform import (
     Preconditioner,
     scale_by_psgd,
@@ -37,8 +38,11 @@ def flip(x: jax.Array) -> jax.Array:
 
 def xmat_precondition(a: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
     """P·g with P = QᵀQ, Q = diag(a) + antidiag(b):
-    (a² + flip(b²))⊙g + (a⊙b + flip(a⊙b))⊙flip(g)."""
-    return (a * a + flip(b * b)) * g + (a * b + flip(a * b)) * flip(g)
+    (a² + flip(b²))⊙g + (a⊙b + flip(a⊙b))⊙flip(g); complex (P = QᴴQ):
+    (|a|² + flip(|b|²))⊙g + (ā⊙b + flip(a⊙b̄))⊙flip(g)."""
+    return (conj(a) * a + flip(conj(b) * b)) * g + (
+        conj(a) * b + flip(a * conj(b))
+    ) * flip(g)
 
 
 def xmat_update(
@@ -56,17 +60,26 @@ def xmat_update(
     Q⁻ᵀv⊙flip(Q⁻ᵀv) (middle entry 0 for odd n); then with μ = η/max((Qh)² +
     (Q⁻ᵀv)²) ('2nd') or η/max(|∇a|, |∇b|) ('1st'):
     a ← a − μ(∇a⊙a + ∇b⊙flip(b)), b ← b − μ(∇a⊙b + ∇b⊙flip(a)).
+
+    Complex (P = QᴴQ, the relative gradient AAᴴ − BBᴴ on the X pattern):
+    Q⁻ᴴv = (flip(ā)⊙v − flip(b̄)⊙flip(v)) / conj(a⊙flip(a) − b⊙flip(b)),
+    ∇a = |Qh|² − |Q⁻ᴴv|², ∇b = Qh⊙conj(flip(Qh)) − Q⁻ᴴv⊙conj(flip(Q⁻ᴴv)), and
+    squares are |·|² in μ; the a and b steps are the same.
     """
     Qh = a * h + b * flip(h)
-    iQv = (flip(a) * v - flip(b) * flip(v)) / (a * flip(a) - b * flip(b))
-    grad_a = Qh * Qh - iQv * iQv
-    grad_b = Qh * flip(Qh) - iQv * flip(iQv)
+    iQv = (flip(conj(a)) * v - flip(conj(b)) * flip(v)) / conj(
+        a * flip(a) - b * flip(b)
+    )
+    grad_a = squared_magnitude(Qh) - squared_magnitude(iQv)
+    grad_b = Qh * conj(flip(Qh)) - iQv * conj(flip(iQv))
     n = a.shape[0]
     if n % 2:
         grad_b = grad_b.at[n // 2].set(0)
     tiny = jnp.finfo(a.dtype).tiny
     if step_normalizer_order == "2nd":
-        mu = precond_lr / (jnp.max(Qh * Qh + iQv * iQv) + tiny)
+        mu = precond_lr / (
+            jnp.max(squared_magnitude(Qh) + squared_magnitude(iQv)) + tiny
+        )
     else:
         mu = precond_lr / (
             jnp.maximum(jnp.max(jnp.abs(grad_a)), jnp.max(jnp.abs(grad_b))) + tiny
@@ -99,7 +112,10 @@ def xmat_preconditioner(
             v = jax.random.normal(key, h.shape, h.dtype)
         else:
             v = ravel_pytree(v)[0].astype(a.dtype)
-        scale = (jnp.sum(v * v) / (jnp.sum(h * h) + jnp.finfo(a.dtype).tiny)) ** 0.25
+        scale = (
+            jnp.sum(squared_magnitude(v))
+            / (jnp.sum(squared_magnitude(h)) + jnp.finfo(a.dtype).tiny)
+        ) ** 0.25
         a = jnp.where(first, a * scale, a)
         return XMatFactors(*xmat_update(a, b, v, h, lr, step_normalizer_order))
 
@@ -182,6 +198,16 @@ def xmat(
 
     θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_xmat` (see it for the
     other arguments).
+
+    Complex parameters: supported. P = QᴴQ is Hermitian, Q = diag(a) + antidiag(b)
+    with complex a, b, fitted with conjugate transposes and circular complex noise
+    (:func:`xmat_update`). All parameters are flattened into one vector, so a tree
+    with any complex leaf is fitted in complex arithmetic (real leaves get the real
+    part of P·g, a descent direction for them). As for every optax optimizer on
+    complex parameters, pass the conjugate of ``jax.grad`` (which returns
+    conj(2∂L/∂z̄) for a real loss, the conjugate of the descent direction): ``grads
+    = jax.tree.map(jnp.conj, jax.grad(loss)(params))``
+    (:func:`precond.jax.hessian_helper` returns it so).
 
     Example:
         >>> optimizer = xmat(learning_rate=0.01)  # doctest: +SKIP
