@@ -662,6 +662,51 @@ def test_one_bad_gradient_never_poisons_the_state(graft, memory):
             assert np.all(errors < 0.1), (name, errors)
 
 
+def test_huge_finite_gradients_keep_the_grafted_norm_and_finite_statistics():
+    """Gradients with one entry of 1.5e19 (‖G‖² = 2.25e38 is finite: applied).
+
+    The root of a step of small gradients amplifies by ~1e3 (w is merged to
+    (48,): P ≈ (1e-6)^{-1/2}; preconditioning every 2 steps), so ‖P(G)‖ ≈ 2e22
+    overflows a plain float32 norm; the step still has SGD
+    grafting's norm, ‖ΔW‖ = lr·‖G‖ (β1 = 0). With β2 = 1 the statistics are sums:
+    the rows the huge entry feeds would overflow at the second such gradient and
+    keep their previous values instead; all state stays finite."""
+    params = {"w": jnp.zeros((8, 6)), "b": jnp.zeros(6)}
+    small = jax.tree.map(lambda g: 1e-3 * g, _gradients(params, 0))
+    huge = _gradients(params, 1)
+    huge["w"] = huge["w"].at[2, 3].set(1.5e19)
+    lr = 0.01
+
+    optimizer = pj.distributed_shampoo(
+        lr,
+        128,
+        beta1=0.0,
+        nesterov=False,
+        start_preconditioning_step=1,
+        preconditioning_compute_steps=2,
+    )
+    update = jax.jit(optimizer.update)
+    _, state = update(small, optimizer.init(params), params)
+    updates, _ = update(huge, state, params)
+    np.testing.assert_allclose(
+        float(jnp.linalg.norm(updates["w"] / 1e19)),
+        lr * float(jnp.linalg.norm(huge["w"] / 1e19)),
+        rtol=1e-5,
+    )
+
+    optimizer = pj.distributed_shampoo(lr, 128, beta2=1.0, beta1=0.0)
+    update = jax.jit(optimizer.update)
+    _, state = update(huge, optimizer.init(params), params)
+    first = [np.asarray(s) for s in state.statistics]
+    for _ in range(3):
+        _, state = update(huge, state, params)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
+    for before, after in zip(first, state.statistics, strict=True):
+        for row in range(before.shape[0]):  # w's two rows: kept; b's: summed
+            kept = np.array_equal(before[row], after[row])
+            assert kept == (before[row].max() > 1e38), (row, before[row].max())
+
+
 ODD_PARAMS = {
     "empty": jnp.ones((0, 5)),
     "empty_3d": jnp.ones((2, 0, 3)),
