@@ -230,7 +230,8 @@ class Kron(torch.optim.Optimizer):
         compile_kernels: ``torch.compile`` the factor update (one compile per
             shape of stack, ~4 s each on a CPU; beyond torch._dynamo's recompile
             limit, 8 by default, further shapes run eagerly). See BENCHMARKS.md
-            for when it pays off.
+            for when it pays off. Inductor has no complex code generation, so
+            for complex parameters it only adds compile time.
 
     Example:
         >>> model = torch.nn.Linear(8, 4)
