@@ -860,13 +860,19 @@ def test_gradient_whose_square_overflows_is_skipped(dtype, bad, skipped):
         _assert_state_equal(optimizer.state_dict(), oracle_opt.state_dict())
 
 
-def test_fit_that_overflows_keeps_the_old_factors():
+@pytest.mark.parametrize("style", ["EQ", "QUAD", "PRO"])
+def test_fit_that_overflows_keeps_the_old_factors(style):
     """A usable gradient (1e17: Σ|g|² ≈ 1e34 is finite) met by large factors
     (Q_i = 1e3·I) overflows the fit's grams (|A|² ≈ 1e46): that parameter keeps
     its old factors while its momentum and step count advance; a same-shaped
     parameter in the same stack fits as it would alone (the decision is per
-    stack entry)."""
-    hyper = dict(lr=1e-3, precond_init_scale=1e6, preconditioner_update_probability=1)
+    stack entry). The generation-2 styles keep their Lipschitz estimates too."""
+    hyper = dict(
+        lr=1e-3,
+        precond_init_scale=1e6,
+        preconditioner_update_probability=1,
+        preconditioner_update_style=style,
+    )
     fine, large = make_params([(4, 3), (4, 3)], dtype=torch.float32)
     alone = make_params([(4, 3)], dtype=torch.float32)
     optimizer = Kron([fine, large], **hyper)
@@ -877,11 +883,14 @@ def test_fit_that_overflows_keeps_the_old_factors():
     run(optimizer, [fine, large], [[g, g]])
     run(alone_opt, alone, [[g]])
     kept = [Q.clone() for Q in optimizer.state[large][FACTORS]]
+    kept_lipschitz = [L.clone() for L in optimizer.state[large].get("lipschitz", [])]
     run(optimizer, [fine, large], [[g, huge]])
     run(alone_opt, alone, [[g]])
     entry = optimizer.state[large]
     assert entry[STEP] == 2
     assert all(torch.equal(Q, K) for Q, K in zip(entry[FACTORS], kept, strict=True))
+    for L, K in zip(entry.get("lipschitz", []), kept_lipschitz, strict=True):
+        assert torch.equal(L, K)
     assert torch.isfinite(entry[MOMENTUM]).all()
     assert torch.isfinite(large).all()
     assert entry[MOMENTUM].abs().max() > 1e15  # the step was taken
