@@ -65,7 +65,8 @@ class KronState(NamedTuple):
     preconditioners: tuple  # per stack of equal-shaped units (see _kron_layout), a
     # tuple of factors per axis, each with a leading unit axis: (units, b) diagonal;
     # triangular by preconditioner_cache: None (units, b, b) Q, 'packed'
-    # (units, b + 1, b) Q with QᵀQ in its lower triangle, 'dense' (units, 2, b, b)
+    # (units, b + 1, b) Q with QᵀQ in its lower triangle, 'dense' (units, 2, b, b);
+    # dtype precond_dtype, its complex counterpart in stacks of complex parameters
     update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
     # Generation-2 styles only (None for 'EQ'): per stack, per axis, the (units,)
     # float32 Lipschitz estimates L_i of the factor updates.
@@ -187,7 +188,8 @@ def scale_by_kron(
             raw gradient (False).
         preconditioner_lr: step size η of the factor updates.
         preconditioner_init_scale: initial P = s·I (each of k factors s^{1/k}·I).
-        mu_dtype: momentum dtype (default: the gradient's).
+        mu_dtype: momentum dtype (default: the gradient's; its complex
+            counterpart for complex parameters).
         precond_dtype: storage dtype of the factors (default float32). The
             factors are updated and applied in at least float32, so bfloat16
             halves their memory; prefer a generation-2 style with it. Complex
