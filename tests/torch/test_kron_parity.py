@@ -586,17 +586,28 @@ def test_complex_kron_steps_equal_the_hermitian_reference(monkeypatch):
             )
 
 
-def test_complex_least_squares_converges():
+@pytest.mark.parametrize(
+    ("style", "cache"),
+    [("EQ", None), ("EQ", "packed"), ("QUAD", "packed"), ("PRO", "dense")],
+)
+def test_complex_least_squares_converges(style, cache):
     """L(Z) = ‖A Z − B‖²_F with complex A (8, 5), Z (5, 3): Kron (complex64, the
     default float32 factors) drives L to its least-squares minimum from 1e2 times
-    above it, and the state stays complex and finite."""
+    above it, and the state stays complex and finite, in every update style and
+    factor layout."""
     generator = torch.Generator().manual_seed(15)
     A = torch.randn(8, 5, dtype=torch.complex64, generator=generator)
     B = torch.randn(8, 3, dtype=torch.complex64, generator=generator)
     Z = torch.nn.Parameter(torch.zeros(5, 3, dtype=torch.complex64))
     best = torch.linalg.lstsq(A.to(torch.complex128), B.to(torch.complex128))
     floor = (A.to(torch.complex128) @ best.solution - B).abs().square().sum().item()
-    optimizer = Kron([Z], lr=0.02, preconditioner_update_probability=1.0)
+    optimizer = Kron(
+        [Z],
+        lr=0.02,
+        preconditioner_update_probability=1.0,
+        preconditioner_update_style=style,
+        preconditioner_cache=cache,
+    )
 
     def loss():
         return (A @ Z - B).abs().square().sum()
@@ -612,3 +623,29 @@ def test_complex_least_squares_converges():
     assert state["momentum"].dtype == torch.complex64
     assert all(Q.dtype == torch.complex64 for Q in state["Q"])
     assert all(torch.isfinite(torch.view_as_real(Q)).all() for Q in state["Q"])
+
+
+@pytest.mark.parametrize("style", ["QUAD", "PRO"])
+@pytest.mark.parametrize(("shape", "mask"), CASES)
+def test_complex_generation_2_step_equals_the_hermitian_reference(shape, mask, style):
+    """One 'QUAD'/'PRO' factor step on stacks of 3 complex128 problems equals
+    the complex reference (T1 = Pg_(i)Pg_(i)ᴴ, unitary Procrustes rotation,
+    Hermitian QUAD factors), Lipschitz estimates included."""
+    problems = random_complex_problems(np.random.default_rng(16), shape, mask, 3)
+    Qs_t = [
+        complex_stack([Qs[axis] for Qs, _, _ in problems]) for axis in range(len(shape))
+    ]
+    G_t = complex_stack([G for _, G, _ in problems])
+    L_t = [torch.full((3,), 0.5, dtype=torch.float64) for _ in shape]
+    targets = tkm.whitening_targets(shape, mask, G_t)
+    got_Qs, got_L = tkm.update_factors_gen2(Qs_t, L_t, G_t, targets, 0.2, style)
+    for b, (Qs, G, _) in enumerate(problems):
+        want_Qs, want_L = ref.update_factors_gen2_hermitian(
+            Qs, [0.5] * len(shape), G, [t.numpy() for t in targets], 0.2, style
+        )
+        for axis, (Q_t, Q_ref) in enumerate(zip(got_Qs, want_Qs, strict=True)):
+            assert_close_complex(Q_t[b].numpy(), Q_ref, name=f"Q_{axis}")
+            if style == "QUAD" and Q_ref.ndim == 2:  # Hermitian
+                np.testing.assert_allclose(Q_t[b].numpy(), Q_t[b].numpy().conj().T)
+        for L_t_axis, L_ref in zip(got_L, want_L, strict=True):
+            assert float(L_t_axis[b]) == pytest.approx(L_ref, rel=RTOL)

@@ -216,28 +216,31 @@ MAX_PROCRUSTES_STEP = 0.125
 def whitening_targets(
     shape: Sequence[int], diagonal: Sequence[bool], like: torch.Tensor
 ) -> list[torch.Tensor]:
-    """E[V_(i)V_(i)ᵀ] = c_i·I for V ~ N(0, I) of ``shape`` (without the stack
-    axis), c_i = ∏_{j≠i} d_j; a (d,) vector for a diagonal factor, (d, d) else
-    (broadcast over the stack), in ``like``'s dtype and device."""
+    """E[V_(i)V_(i)ᴴ] = c_i·I for V ~ N(0, I) (or CN(0, I)) of ``shape``
+    (without the stack axis), c_i = ∏_{j≠i} d_j; a (d,) vector for a diagonal
+    factor, (d, d) else (broadcast over the stack), in the real dtype of
+    ``like`` and on its device."""
+    dtype = like.real.dtype if like.is_complex() else like.dtype
     targets = []
     for i, (d, diag) in enumerate(zip(shape, diagonal, strict=True)):
         c = math.prod(shape[:i]) * math.prod(shape[i + 1 :])
-        t = torch.full((d,), float(c), dtype=like.dtype, device=like.device)
+        t = torch.full((d,), float(c), dtype=dtype, device=like.device)
         targets.append(t if diag else torch.diag(t))
     return targets
 
 
 def procrustes_step(Q: torch.Tensor) -> torch.Tensor:
-    """Rotates each (B, d, d) Q toward the symmetric PSD polar factor of QᵀQ:
-    R = Qᵀ − Q normalised by lb(R), Q ← Q + aRQ + (a²/2)R²Q with
-    a = min(−tr(RQ)/tr(R²Q), 1/8) when tr(R²Q) < 0, else 1/8 (P = QᵀQ kept to
-    second order in a)."""
-    R = Q.transpose(1, 2) - Q
+    """Rotates each (B, d, d) Q toward the symmetric PSD polar factor of QᴴQ:
+    R = Qᴴ − Q normalised by lb(R), Q ← Q + aRQ + (a²/2)R²Q with
+    a = min(−tr(RQ)/tr(R²Q), 1/8) when tr(R²Q) < 0, else 1/8 (P = QᴴQ kept to
+    second order in a). Complex Q: R is skew-Hermitian (exp(aR) unitary) and
+    the traces are their real parts."""
+    R = Q.mH - Q
     R = R / (norm_lower_bound(R) + TINY)[:, None, None]
     RQ = torch.bmm(R, Q)
     RRQ = torch.bmm(R, RQ)
-    tr_RQ = RQ.diagonal(dim1=1, dim2=2).sum(dim=1)
-    tr_RRQ = RRQ.diagonal(dim1=1, dim2=2).sum(dim=1)
+    tr_RQ = RQ.diagonal(dim1=1, dim2=2).sum(dim=1).real
+    tr_RRQ = RRQ.diagonal(dim1=1, dim2=2).sum(dim=1).real
     safe = torch.where(tr_RRQ < 0, tr_RRQ, -torch.ones_like(tr_RRQ))
     a = torch.where(
         tr_RRQ < 0,
@@ -257,12 +260,12 @@ def update_factors_gen2(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One generation-2 PSGD step ('QUAD' or 'PRO') on each stack entry, as
     :func:`precond.jax._kron_math.update_factors_gen2`: with Pg = P·G,
-    T1 = Pg_(i)Pg_(i)ᵀ and the target T2, L_i ← max(β_L·L_i + (1 − β_L)·ℓ, ℓ),
+    T1 = Pg_(i)Pg_(i)ᴴ and the target T2, L_i ← max(β_L·L_i + (1 − β_L)·ℓ, ℓ),
     ℓ = lb(T1) + lb(T2), μ = η/L_i;
 
         PRO:  Q ← procrustes_step(Q − μ(T1 − T2)Q);  q ← q⊙(1 − μ(T1 − T2))
         QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
-              Q ← (Q'' + Q''ᵀ)/2;  q ← q⊙(1 − (μ/2)(T1 − T2))²
+              Q ← (Q'' + Q''ᴴ)/2;  q ← q⊙(1 − (μ/2)(T1 − T2))²
 
     ``lipschitz`` holds one (B,) tensor per axis. Returns new factors and L_i.
     """
@@ -291,7 +294,7 @@ def update_factors_gen2(
             half = (0.5 * mu)[:, None, None]
             Q = Q - half * torch.bmm(E, Q)
             Q = Q - half * torch.bmm(Q, E)
-            Q = 0.5 * (Q + Q.transpose(1, 2))
+            Q = 0.5 * (Q + Q.mH)
         new_Qs.append(Q)
         new_L.append(L.to(lipschitz[axis].dtype))
     return new_Qs, new_L

@@ -182,8 +182,8 @@ class Kron(torch.optim.Optimizer):
     Complex parameters are supported (Li's PSGD is defined for them): P =
     ⊗ Q_iᴴQ_i is Hermitian, the factors are complex (complex64, or complex128
     for float64/complex128 factors) with real positive diagonals, and
-    V ~ CN(0, I). Only the 'EQ' update style is available for them. Integer
-    parameters are refused. ``None`` gradients are skipped; sparse gradients
+    V ~ CN(0, I), in every update style and cache layout. Integer parameters
+    are refused. ``None`` gradients are skipped; sparse gradients
     are refused.
 
     Args:
@@ -317,7 +317,7 @@ class Kron(torch.optim.Optimizer):
         try:
             _check_group(self.param_groups[-1])
             for p in self.param_groups[-1]["params"]:
-                _check_parameter(p, self.param_groups[-1])
+                _check_parameter(p)
         except Exception:
             self.param_groups.pop()
             raise
@@ -646,8 +646,8 @@ def _factor_of(F: torch.Tensor, cache: str | None, style: str) -> torch.Tensor:
     if cache == "dense":
         return F[:, 0]
     Q = km.unpack_factor(F)
-    if style == "QUAD":  # symmetric: only its upper triangle is stored
-        Q = Q + torch.triu(Q, 1).transpose(1, 2)
+    if style == "QUAD":  # Hermitian: only its upper triangle is stored
+        Q = Q + torch.triu(Q, 1).mH
     return Q
 
 
@@ -734,7 +734,7 @@ def _check_group(group: dict[str, Any]) -> None:
         check(name, group[name])
 
 
-def _check_parameter(p: torch.Tensor, group: dict[str, Any]) -> None:
+def _check_parameter(p: torch.Tensor) -> None:
     if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
         raise NotImplementedError(
             "precond.torch.Kron does not support FSDP2 (fully_shard) DTensor "
@@ -746,12 +746,6 @@ def _check_parameter(p: torch.Tensor, group: dict[str, Any]) -> None:
         raise TypeError(
             f"Invalid parameter of dtype {p.dtype}: Kron supports floating and "
             "complex parameters"
-        )
-    if p.is_complex() and group["preconditioner_update_style"] != "EQ":
-        raise TypeError(
-            f"Invalid parameter of dtype {p.dtype} with preconditioner_update_style="
-            f"{group['preconditioner_update_style']!r}: complex parameters support "
-            "only 'EQ'"
         )
 
 
