@@ -89,24 +89,42 @@ class ShardedPreconditioning(Strategy):
     def share(self, params, owners, updates):
         dtype = torch.float32
         for p in params:  # the same on every rank, whatever it owns
-            dtype = torch.promote_types(dtype, p.dtype)
+            dtype = torch.promote_types(dtype, _real_dtype(p))
         # Every rank knows every rank's sizes: no size exchange is needed.
         sizes = [0] * self.world_size
         for p, owner in zip(params, owners, strict=True):
-            sizes[owner] += p.numel()
+            sizes[owner] += _real_numel(p)
         device = params[0].device
         local = torch.zeros(max(sizes), dtype=dtype, device=device)
         offset = 0
         for u, owner in zip(updates, owners, strict=True):
             if owner == self.rank:
-                local[offset : offset + u.numel()] = u.reshape(-1)
-                offset += u.numel()
+                flat = _as_real(u).reshape(-1)
+                local[offset : offset + flat.numel()] = flat
+                offset += flat.numel()
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.process_group)
         offsets = [0] * self.world_size
         shared = []
         for p, owner in zip(params, owners, strict=True):
-            start = offsets[owner]
-            shared.append(gathered[owner][start : start + p.numel()].reshape(p.shape))
-            offsets[owner] += p.numel()
+            start, n = offsets[owner], _real_numel(p)
+            chunk = gathered[owner][start : start + n]
+            if p.is_complex():  # (real, imaginary) pairs back to complex
+                chunk = torch.view_as_complex(chunk.reshape(*p.shape, 2))
+            shared.append(chunk.reshape(p.shape))
+            offsets[owner] += n
         return shared
+
+
+def _real_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of a tensor's real and imaginary parts (itself if real)."""
+    return p.real.dtype if p.is_complex() else p.dtype
+
+
+def _real_numel(p: torch.Tensor) -> int:
+    """Real numbers in a tensor: two per complex entry."""
+    return p.numel() * (2 if p.is_complex() else 1)
+
+
+def _as_real(u: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(u) if u.is_complex() else u
