@@ -201,7 +201,8 @@ class Kron(torch.optim.Optimizer):
         memory_save_mode: None, 'one_diag' or 'all_diag'.
         momentum_into_precond_update: fit the factors to m̂ (True) or to g.
         precond_lr: step size of the factor updates.
-        precond_init_scale: initial P = s·I.
+        precond_init_scale: s, with initial factors Q_i = s^(1/k)·I on the k
+            axes, so P = s²·I (kron-torch's convention).
         mu_dtype: momentum dtype (default: the parameter's).
         precond_dtype: factor dtype (default float32); the math runs in at
             least float32.
