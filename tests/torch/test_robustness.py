@@ -12,12 +12,15 @@ Properties, each against an oracle:
 * ``shape`` cases (a bare parameter of an unusual shape or dtype, fitted to a
   target by L = mean|θ − t|²): the state stays finite after every step and L
   falls, or the optimizer refuses the parameter at construction with a clear
-  error. K-FAC preconditions Linear/Conv2d layers, not bare parameters: those
-  rows are not applicable to it and are skipped with that reason.
+  error. K-FAC preconditions Linear/Conv2d layers, not bare parameters: it has
+  no shape rows here (its empty and size-1 layers: tests/torch/test_kfac.py).
 
 Policy (DESIGN.md §5, precond.jax's): Kron skips a step whose gradient's squared
 norm is not finite in its working precision (NaN, ±Inf, entries ≳ 1.8e19 in
-float32); integer parameters are refused.
+float32); integer parameters are refused. K-FAC drops a factor contribution
+whose squared norm overflows, preconditions a huge finite gradient scale-safely
+(its KL clip bounds the step), and hands a NaN/±Inf gradient on unchanged, so
+that the loop's skip (GradScaler's, or the explicit check here) drops the step.
 """
 
 from __future__ import annotations
@@ -78,7 +81,12 @@ def _kfac(strategy: DistributedStrategy):
 
         def step():
             preconditioner.step()
-            sgd.step()
+            # K-FAC hands a non-finite gradient on (so that a GradScaler sees it
+            # and skips the step) and keeps its factors; the loop skips the step
+            # as GradScaler.step does.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if all(bool(torch.isfinite(g).all()) for g in grads):
+                sgd.step()
 
         def state():
             tensors = []
@@ -156,33 +164,16 @@ CASES = {
     "int64": Case("shape", shape=(4, 3), dtype=torch.int64, refused="torch.int64"),
 }
 
-# K-FAC rows that fail because of K-FAC itself (being fixed separately): name →
-# reason. strict: they must fail until the fix lands, then the mark goes.
-_PASSES_NAN = (
-    "K-FAC preconditions a NaN/±Inf gradient and hands it to the SGD step (it "
-    "has no skip policy yet): the parameters become NaN"
-)
-KFAC_KNOWN_FAILURES: dict[str, str] = {
-    "NaN": _PASSES_NAN,
-    "+Inf": _PASSES_NAN,
-    "-Inf": _PASSES_NAN,
-    "bf16 NaN": _PASSES_NAN,
-}
-
 
 def _params():
-    marks_for = {}
-    for case in CASES:
-        for name in OPTIMIZERS:
-            marks = []
-            if name in KFAC_ROWS and case in KFAC_KNOWN_FAILURES:
-                marks.append(
-                    pytest.mark.xfail(strict=True, reason=KFAC_KNOWN_FAILURES[case])
-                )
-            marks_for[(name, case)] = marks
+    """Every (optimizer, case), except the shape cases for K-FAC: it
+    preconditions Linear/Conv2d layers, not bare tensors (its empty and size-1
+    layers are in tests/torch/test_kfac.py)."""
     return [
-        pytest.param(name, case, marks=marks, id=f"{name}-{case}")
-        for (name, case), marks in marks_for.items()
+        pytest.param(name, case, id=f"{name}-{case}")
+        for case in CASES
+        for name in OPTIMIZERS
+        if not (name in KFAC_ROWS and CASES[case].kind == "shape")
     ]
 
 
@@ -257,8 +248,6 @@ def _clean_loss(optimizer: str, dtype: torch.dtype) -> float:
 def test_robustness(optimizer, case):
     spec, build = CASES[case], OPTIMIZERS[optimizer]
     if spec.kind == "shape":
-        if optimizer in KFAC_ROWS:
-            pytest.skip("K-FAC preconditions Linear/Conv2d layers, not bare tensors")
         if spec.refused:
             with pytest.raises(TypeError, match=spec.refused):
                 Kron([torch.zeros(spec.shape, dtype=spec.dtype)])

@@ -16,6 +16,7 @@ from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY, OptimizerSpec
 from precond.bench.runner import RunConfig, RunResult, result_from_loop, training_loop
 from precond.bench.torch_models import build_model
 from precond.bench.workloads import Workload
+from precond.torch.kron import gradients_are_usable
 
 # Rows per chunk when scoring a whole split.
 EVAL_CHUNK = 512
@@ -30,20 +31,6 @@ def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction
     )
-
-
-def gradients_are_usable(parameters) -> bool:
-    """precond's step guard (as :mod:`precond.jax._guards`): every gradient's
-    squared norm is finite in float32 (float64 for float64 gradients)."""
-    norms = [
-        torch.linalg.vector_norm(
-            p.grad, dtype=torch.promote_types(p.dtype, torch.float32)
-        )
-        ** 2
-        for p in parameters
-        if p.grad is not None
-    ]
-    return not norms or bool(torch.isfinite(torch.stack(norms)).all())
 
 
 def run_torch(
@@ -74,7 +61,9 @@ def run_torch(
         optimizer.zero_grad()
         loss = _cross_entropy(model(x_train[rows]), y_train[rows])
         loss.backward()
-        refused = not gradients_are_usable(model.parameters())
+        refused = not gradients_are_usable(
+            [p.grad for p in model.parameters() if p.grad is not None]
+        )
         optimizer.step()
         return loss.item(), refused
 

@@ -123,7 +123,7 @@ def _working_view(g: torch.Tensor) -> torch.Tensor:
     return (g if g.dtype == torch.float64 else g.to(torch.float32)).reshape(-1)
 
 
-def _all_finite(grads: list[torch.Tensor]) -> bool:
+def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
     """True when every gradient's squared norm Σ|g|² is finite in its working
     precision (float32, or float64 for float64/complex128 gradients): False for
     NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
@@ -340,7 +340,7 @@ class Kron(torch.optim.Optimizer):
                 index += 1
         if not entries:
             return loss
-        if not _all_finite([p.grad for _, p, _ in entries]):
+        if not gradients_are_usable([p.grad for _, p, _ in entries]):
             # Skipped: no state changes; decoupled weight decay still applies.
             for group, p, _ in entries:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
