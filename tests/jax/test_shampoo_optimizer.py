@@ -935,7 +935,9 @@ def test_every_argument_is_validated():
         dict(clip_by_scaled_gradient_norm=1, num_devices_for_pjit=8),
         dict(inverse_failure_threshold=np.float32(0.5), beta2=1),
     ],
-    ids=str,
+    # Names only: a value's repr may hold an address, which differs between
+    # the xdist workers that must collect the same ids.
+    ids=lambda kwargs: "-".join(kwargs),
 )
 def test_arguments_the_seed_accepts_are_accepted(kwargs):
     """No false refusals: enums or their ints, schedules, arrays (traced under
