@@ -45,7 +45,6 @@ from precond._common.validation import (
     is_concrete_number,
 )
 from precond.jax._guards import (
-    all_finite,
     check_parameter_dtypes,
     check_state_matches,
     gradients_are_usable,
@@ -776,7 +775,7 @@ def _update(updates, state: ShampooState, params, config: _Config):
     beta1 = config.beta1
     w = (1.0 - beta1) if config.moving_average_for_momentum else 1.0
     running = step >= config.start_preconditioning_step
-    outputs, momenta, diagonal_momenta, diagonals, produced = [], [], [], [], []
+    outputs, momenta, diagonal_momenta, diagonals = [], [], [], []
     old_momenta = leaves_of(state.momentum)
     old_diagonal_momenta = leaves_of(state.diagonal_momentum)
     old_diagonals = leaves_of(state.diagonal_statistics)
@@ -814,17 +813,14 @@ def _update(updates, state: ShampooState, params, config: _Config):
             if config.has_diagonal_momentum:
                 momenta.append(_store(momentum, old_momentum))
                 diagonal_momenta.append(_store(graft_momentum, old_diagonal_momentum))
-                produced += [momentum, graft_momentum]
             else:
                 momenta.append(_store(mixed_momentum, old_momentum))
                 diagonal_momenta.append(None)
-                produced.append(mixed_momentum)
             diagonals.append(
                 None if old_diagonal is None else diagonal.astype(old_diagonal.dtype)
             )
-    # The step is skipped (see the docstring) when the gradients are unusable or
-    # anything it would store or return is not finite.
-    ok = usable & all_finite(outputs, produced, diagonals)
+    # The step is skipped (see the docstring) when the gradients are unusable.
+    ok = usable
     outputs = [jnp.where(ok, u, jnp.zeros_like(u)) for u in outputs]
 
     unflatten = functools.partial(jax.tree.unflatten, treedef)
@@ -893,9 +889,8 @@ def distributed_shampoo(
     Bad steps are skipped: when some gradient leaf has a squared norm ‖G‖² that
     is not finite in float32 (float64 for float64 leaves) -- NaN or ±Inf entries,
     or finite ones from about 1.8e19, whose squares would overflow the
-    statistics -- or when any update or momentum/grafting buffer the step would
-    produce is not finite, the step returns zero updates and leaves the whole
-    state unchanged (count included), as the PSGD optimizers do. The updates
+    statistics -- the step returns zero updates and leaves the whole state
+    unchanged (count included), as the PSGD optimizers do. The updates
     include −lr: add them to W.
 
     Parameters must be real floating-point arrays (complex and integer ones are
