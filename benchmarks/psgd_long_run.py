@@ -36,7 +36,7 @@ Speed is not measured. OPENBLAS_NUM_THREADS is set to 1 unless set (as in
 
 Usage::
 
-    python benchmarks/psgd_long_run.py --out /tmp/long_run   # ~10 min on 2 busy cores
+    python benchmarks/psgd_long_run.py --out /tmp/long_run   # ~4 min, may hang
     python benchmarks/psgd_long_run.py --quick               # smoke run: 2000 steps
     python benchmarks/psgd_long_run.py --variants lra,lra-hvp --steps 100000
 """
