@@ -84,14 +84,8 @@ def _kron_reference(grads, newton, style, seed):
             target = mu_hat
         if style == "EQ":
             if newton is None:
-                damp = (
-                    kron_ref.add_damping_noise
-                    if real
-                    else (kron_ref.add_damping_noise_hermitian)
-                )
-                target = damp(target, V)
-            fit = kron_ref.update_factors if real else kron_ref.update_factors_hermitian
-            Qs = fit(Qs, target, V, LR)
+                target = kron_ref.add_damping_noise(target, V)
+            Qs = kron_ref.update_factors(Qs, target, V, LR)
         else:
             if newton is None:
                 eps = np.finfo(np.float64).eps
@@ -107,16 +101,10 @@ def _kron_reference(grads, newton, style, seed):
                     V_i = np.moveaxis(V, axis, 0).reshape(shape[axis], -1)
                     T = V_i @ V_i.conj().T
                     targets.append(np.real(np.diag(T)) if len(shape) < 2 else T)
-            fit = (
-                kron_ref.update_factors_gen2
-                if real
-                else kron_ref.update_factors_gen2_hermitian
+            Qs, _ = kron_ref.update_factors_gen2(
+                Qs, [0.0] * len(Qs), target, targets, LR, style
             )
-            Qs, _ = fit(Qs, [0.0] * len(Qs), target, targets, LR, style)
-        precondition = (
-            kron_ref.precondition if real else kron_ref.precondition_hermitian
-        )
-        out[name] = _rms_clip(precondition(Qs, mu_hat))
+        out[name] = _rms_clip(kron_ref.precondition(Qs, mu_hat))
     return out
 
 
@@ -417,7 +405,7 @@ def test_newton_fit_inverts_a_hermitian_hessian(variant):
                 return jax.lax.scan(step, Qs, (keys, lrs))[0]
 
             Qs = fit_kernel([jnp.eye(d, dtype=jnp.complex128) for d in shape])
-            P = kron_ref.preconditioner_matrix_hermitian([np.asarray(Q) for Q in Qs])
+            P = kron_ref.preconditioner_matrix([np.asarray(Q) for Q in Qs])
             np.testing.assert_allclose(P @ H, np.eye(H.shape[0]), atol=1e-3)
             return
         shape, H = (6,), hermitian(6)

@@ -13,6 +13,9 @@ Conventions:
   factors in axis order.
 * A factor is a (d, d) upper-triangular matrix Q or a length-d vector q standing
   for the diagonal matrix diag(q).
+* Everything works over ℂ as well (Li's PSGD is defined there): a complex input
+  stays complex (complex128) and every ᵀ below is then ᴴ, |x| the modulus and
+  a trace that must be real its real part; a real input stays float64.
 
 Reference: X.-L. Li, "Preconditioned stochastic gradient descent" (2015,
 arXiv:1512.04202) and "Preconditioner on matrix Lie group for SGD" (2018,
@@ -32,43 +35,51 @@ DAMPING_SCALE = 2.0**-11.5
 TINY = float(np.finfo(np.float32).tiny)
 
 
+def _as_array(X: np.ndarray) -> np.ndarray:
+    """X as float64, or complex128 when X is complex."""
+    X = np.asarray(X)
+    return X.astype(np.result_type(X.dtype, np.float64), copy=False)
+
+
 def factor_matrix(Q: np.ndarray) -> np.ndarray:
     """The factor as a dense matrix: Q itself, or diag(q) for a diagonal factor."""
-    Q = np.asarray(Q, dtype=np.float64)
+    Q = _as_array(Q)
     return np.diag(Q) if Q.ndim == 1 else Q
 
 
 def factor_gram(Q: np.ndarray) -> np.ndarray:
-    """Q_iᵀQ_i as a dense matrix (diag(q²) for a diagonal factor)."""
+    """Q_iᵀQ_i as a dense matrix (diag(q²) for a diagonal factor); Q_iᴴQ_i
+    (diag(|q|²)) for a complex factor."""
     M = factor_matrix(Q)
-    return M.T @ M
+    return M.conj().T @ M
 
 
 def kron_all(matrices: Sequence[np.ndarray]) -> np.ndarray:
     """M_1 ⊗ M_2 ⊗ … ⊗ M_k (``np.kron`` in axis order)."""
-    return reduce(np.kron, [np.asarray(M, dtype=np.float64) for M in matrices])
+    return reduce(np.kron, [_as_array(M) for M in matrices])
 
 
 def preconditioner_matrix(Qs: Sequence[np.ndarray]) -> np.ndarray:
-    """The dense preconditioner P = ⊗_i Q_iᵀQ_i, of size (∏d_i, ∏d_i)."""
+    """The dense preconditioner P = ⊗_i Q_iᵀQ_i, of size (∏d_i, ∏d_i); for
+    complex factors the Hermitian P = ⊗_i Q_iᴴQ_i."""
     return kron_all([factor_gram(Q) for Q in Qs])
 
 
 def apply_kron(matrices: Sequence[np.ndarray], X: np.ndarray) -> np.ndarray:
     """X ×_1 M_1 … ×_k M_k computed as (⊗ M_i)·vec(X), reshaped back."""
-    X = np.asarray(X, dtype=np.float64)
+    X = _as_array(X)
     return (kron_all(matrices) @ X.ravel()).reshape(X.shape)
 
 
 def precondition(Qs: Sequence[np.ndarray], G: np.ndarray) -> np.ndarray:
-    """U with vec(U) = P·vec(G), P = ⊗_i Q_iᵀQ_i."""
-    G = np.asarray(G, dtype=np.float64)
+    """U with vec(U) = P·vec(G), P = ⊗_i Q_iᵀQ_i (Q_iᴴQ_i for complex factors)."""
+    G = _as_array(G)
     return (preconditioner_matrix(Qs) @ G.ravel()).reshape(G.shape)
 
 
 def unfold(X: np.ndarray, axis: int) -> np.ndarray:
     """The mode-``axis`` unfolding X_(i): a (d_i, ∏_{j≠i} d_j) matrix."""
-    X = np.asarray(X, dtype=np.float64)
+    X = _as_array(X)
     return np.moveaxis(X, axis, 0).reshape(X.shape[axis], -1)
 
 
@@ -76,8 +87,7 @@ def norm_lower_bound(S: np.ndarray) -> float:
     """lb(S) of algorithms.md: s = max|S|, Ŝ = S/s, x = the column of Ŝ with the
     largest norm, y = xᵀŜ, lb = s·‖(y/‖y‖)Ŝᵀ‖₂; 0 for S = 0. A complex S is
     kept complex (every ᵀ is then ᴴ)."""
-    S = np.asarray(S)
-    S = S.astype(np.result_type(S.dtype, np.float64))
+    S = _as_array(S)
     s = np.max(np.abs(S))
     if s == 0:
         return 0.0
@@ -90,9 +100,9 @@ def norm_lower_bound(S: np.ndarray) -> float:
 
 
 def add_damping_noise(G: np.ndarray, V: np.ndarray) -> np.ndarray:
-    """G̃ = G + 2^-11.5·mean|G|·V."""
-    G = np.asarray(G, dtype=np.float64)
-    return G + DAMPING_SCALE * np.mean(np.abs(G)) * np.asarray(V, np.float64)
+    """G̃ = G + 2^-11.5·mean|G|·V (|G| the modulus for a complex G)."""
+    G = _as_array(G)
+    return G + DAMPING_SCALE * np.mean(np.abs(G)) * _as_array(V)
 
 
 def update_factors(
@@ -106,19 +116,21 @@ def update_factors(
     e. For each axis i, from the same A and B: T1 = A_(i)A_(i)ᵀ, T2 = B_(i)B_(i)ᵀ;
        triangular: Q_i ← Q_i − η/(lb(T1 + T2) + tiny)·triu(T1 − T2)·Q_i;
        diagonal:   q_i ← q_i − η/(max|T1 + T2| + tiny)·(T1 − T2)⊙q_i with only
-       the diagonals of T1, T2.
+       the (real) diagonals of T1, T2.
+
+    Complex input uses ᴴ for ᵀ (B = V ×_i Q_i^{-H}, T1 = A_(i)A_(i)ᴴ, …).
     """
     mats = [factor_matrix(Q) for Q in Qs]
     A = apply_kron(mats, G)
-    B = apply_kron([np.linalg.inv(M).T for M in mats], V)
+    B = apply_kron([np.linalg.inv(M).conj().T for M in mats], V)
     new_Qs = []
     for axis, Q in enumerate(Qs):
-        Q = np.asarray(Q, dtype=np.float64)
+        Q = _as_array(Q)
         A_i, B_i = unfold(A, axis), unfold(B, axis)
-        T1 = A_i @ A_i.T
-        T2 = B_i @ B_i.T
+        T1 = A_i @ A_i.conj().T
+        T2 = B_i @ B_i.conj().T
         if Q.ndim == 1:
-            t1, t2 = np.diag(T1), np.diag(T2)
+            t1, t2 = np.diag(T1).real, np.diag(T2).real
             step = lr / (np.max(np.abs(t1 + t2)) + TINY)
             new_Qs.append(Q - step * (t1 - t2) * Q)
         else:
@@ -128,8 +140,9 @@ def update_factors(
 
 
 def balance_factors(Qs: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """n_i = max|Q_i|, γ = (∏ n_i)^{1/k}, Q_i ← Q_i·γ/n_i."""
-    Qs = [np.asarray(Q, dtype=np.float64) for Q in Qs]
+    """n_i = max|Q_i|, γ = (∏ n_i)^{1/k}, Q_i ← Q_i·γ/n_i (|·| the modulus for
+    complex factors)."""
+    Qs = [_as_array(Q) for Q in Qs]
     norms = np.array([np.max(np.abs(Q)) for Q in Qs])
     gamma = np.prod(norms) ** (1.0 / len(Qs))
     return [Q * (gamma / n) for Q, n in zip(Qs, norms, strict=True)]
@@ -138,11 +151,12 @@ def balance_factors(Qs: Sequence[np.ndarray]) -> list[np.ndarray]:
 def procrustes_step(Q: np.ndarray) -> np.ndarray:
     """Generation-2 'PRO' rotation (algorithms.md Part 1 §2, step 5): R = Qᵀ − Q,
     R ← R/lb(R); a = min(−tr(RQ)/tr(R²Q), 1/8) if tr(R²Q) < 0 else 1/8;
-    Q ← Q + a·RQ + (a²/2)·R²Q."""
-    Q = np.asarray(Q, dtype=np.float64)
-    R = Q.T - Q
+    Q ← Q + a·RQ + (a²/2)·R²Q. Complex input uses R = Qᴴ − Q (skew-Hermitian,
+    exp(aR) unitary) and the real parts of the traces."""
+    Q = _as_array(Q)
+    R = Q.conj().T - Q
     R = R / (norm_lower_bound(R) + TINY)
-    t1, t2 = np.trace(R @ Q), np.trace(R @ R @ Q)
+    t1, t2 = np.trace(R @ Q).real, np.trace(R @ R @ Q).real
     a = min(-t1 / t2, 0.125) if t2 < 0 else 0.125
     return Q + a * R @ Q + 0.5 * a * a * R @ R @ Q
 
@@ -163,16 +177,19 @@ def update_factors_gen2(
     ℓ = lb(T1) + lb(T2) (diagonal: max T1 + max T2), L ← max(β·L + (1−β)ℓ, ℓ),
     μ = η/L. PRO: Q ← Procrustes(Q − μEQ), q ← q(1 − μE). QUAD: Q' = Q − (μ/2)EQ,
     Q'' = Q' − (μ/2)Q'E, Q ← (Q'' + Q''ᵀ)/2, q ← q(1 − (μ/2)E)².
+    Complex input uses ᴴ for ᵀ (P = ⊗ Q_iᴴQ_i, T1 = Pg_(i)Pg_(i)ᴴ, unitary
+    Procrustes rotation, Hermitian QUAD factors; real diagonals for diagonal
+    factors).
     """
     Pg = precondition(Qs, G)
     new_Qs, new_Ls = [], []
     for axis, (Q, L, T2) in enumerate(zip(Qs, Ls, targets, strict=True)):
-        Q = np.asarray(Q, dtype=np.float64)
-        T2 = np.asarray(T2, dtype=np.float64)
+        Q = _as_array(Q)
+        T2 = _as_array(T2)
         Pg_i = unfold(Pg, axis)
-        T1 = Pg_i @ Pg_i.T
+        T1 = Pg_i @ Pg_i.conj().T
         if Q.ndim == 1:
-            T1 = np.diag(T1)
+            T1, T2 = np.diag(T1).real, T2.real
             ell = np.max(T1) + np.max(T2)
         else:
             ell = norm_lower_bound(T1) + norm_lower_bound(T2)
@@ -183,138 +200,6 @@ def update_factors_gen2(
             Q = Q * (1 - mu * E) if style == "PRO" else Q * (1 - 0.5 * mu * E) ** 2
         elif style == "PRO":
             Q = procrustes_step(Q - mu * E @ Q)
-        else:
-            Q = Q - 0.5 * mu * E @ Q
-            Q = Q - 0.5 * mu * Q @ E
-            Q = 0.5 * (Q + Q.T)
-        new_Qs.append(Q)
-        new_Ls.append(L)
-    return new_Qs, new_Ls
-
-
-# --- complex (Hermitian) PSGD Kron ---------------------------------------------
-# The same step for complex tensors (Li's PSGD is defined over ℂ): P = ⊗ Q_iᴴQ_i,
-# B = V ×_i Q_i^{-H}, T1 = A_(i)A_(i)ᴴ, T2 = B_(i)B_(i)ᴴ. For real inputs these
-# equal the functions above. Everything is complex128.
-
-
-def _complex_matrix(Q: np.ndarray) -> np.ndarray:
-    Q = np.asarray(Q, dtype=np.complex128)
-    return np.diag(Q) if Q.ndim == 1 else Q
-
-
-def _apply_kron_complex(matrices: Sequence[np.ndarray], X: np.ndarray) -> np.ndarray:
-    X = np.asarray(X, dtype=np.complex128)
-    K = reduce(np.kron, [np.asarray(M, dtype=np.complex128) for M in matrices])
-    return (K @ X.ravel()).reshape(X.shape)
-
-
-def preconditioner_matrix_hermitian(Qs: Sequence[np.ndarray]) -> np.ndarray:
-    """The dense Hermitian P = ⊗_i Q_iᴴQ_i."""
-    mats = [_complex_matrix(Q) for Q in Qs]
-    return reduce(np.kron, [M.conj().T @ M for M in mats])
-
-
-def precondition_hermitian(Qs: Sequence[np.ndarray], G: np.ndarray) -> np.ndarray:
-    """U with vec(U) = P·vec(G), P = ⊗_i Q_iᴴQ_i."""
-    G = np.asarray(G, dtype=np.complex128)
-    return (preconditioner_matrix_hermitian(Qs) @ G.ravel()).reshape(G.shape)
-
-
-def norm_lower_bound_hermitian(S: np.ndarray) -> float:
-    """lb(S) for a Hermitian S: s = max|S|, Ŝ = S/s, x = the column of Ŝ with the
-    largest norm, y = xᴴŜ/‖xᴴŜ‖, lb = s·‖yŜᴴ‖₂; 0 for S = 0."""
-    S = np.asarray(S, dtype=np.complex128)
-    s = np.max(np.abs(S))
-    if s == 0:
-        return 0.0
-    S_hat = S / s
-    j = int(np.argmax(np.sum(np.abs(S_hat) ** 2, axis=0)))
-    y = S_hat[:, j].conj() @ S_hat
-    y = y / np.linalg.norm(y)
-    return float(s * np.linalg.norm(y @ S_hat.conj().T))
-
-
-def update_factors_hermitian(
-    Qs: Sequence[np.ndarray], G: np.ndarray, V: np.ndarray, lr: float
-) -> list[np.ndarray]:
-    """:func:`update_factors` over ℂ: A = G ×_i Q_i, B = V ×_i Q_i^{-H} (explicit
-    inverses), T1 = A_(i)A_(i)ᴴ, T2 = B_(i)B_(i)ᴴ; triangular Q_i ← Q_i −
-    η/(lb(T1 + T2) + tiny)·triu(T1 − T2)·Q_i, diagonal q_i ← q_i − η/(max|T1 +
-    T2| + tiny)·(T1 − T2)⊙q_i with the (real) diagonals."""
-    mats = [_complex_matrix(Q) for Q in Qs]
-    A = _apply_kron_complex(mats, G)
-    B = _apply_kron_complex([np.linalg.inv(M).conj().T for M in mats], V)
-    new_Qs = []
-    for axis, Q in enumerate(Qs):
-        Q = np.asarray(Q, dtype=np.complex128)
-        A_i = np.moveaxis(A, axis, 0).reshape(A.shape[axis], -1)
-        B_i = np.moveaxis(B, axis, 0).reshape(B.shape[axis], -1)
-        T1 = A_i @ A_i.conj().T
-        T2 = B_i @ B_i.conj().T
-        if Q.ndim == 1:
-            t1, t2 = np.real(np.diag(T1)), np.real(np.diag(T2))
-            step = lr / (np.max(np.abs(t1 + t2)) + TINY)
-            new_Qs.append(Q - step * (t1 - t2) * Q)
-        else:
-            step = lr / (norm_lower_bound_hermitian(T1 + T2) + TINY)
-            new_Qs.append(Q - step * np.triu(T1 - T2) @ Q)
-    return new_Qs
-
-
-def add_damping_noise_hermitian(G: np.ndarray, V: np.ndarray) -> np.ndarray:
-    """:func:`add_damping_noise` over ℂ: G̃ = G + 2^-11.5·mean|G|·V, |G| the
-    modulus."""
-    G = np.asarray(G, dtype=np.complex128)
-    return G + DAMPING_SCALE * np.mean(np.abs(G)) * np.asarray(V, np.complex128)
-
-
-def procrustes_step_hermitian(Q: np.ndarray) -> np.ndarray:
-    """:func:`procrustes_step` over ℂ: R = Qᴴ − Q (skew-Hermitian, exp(aR)
-    unitary), R ← R/lb(R); with t1 = Re tr(RQ), t2 = Re tr(R²Q):
-    a = min(−t1/t2, 1/8) if t2 < 0 else 1/8; Q ← Q + a·RQ + (a²/2)·R²Q."""
-    Q = np.asarray(Q, dtype=np.complex128)
-    R = Q.conj().T - Q
-    R = R / (norm_lower_bound_hermitian(R) + TINY)
-    t1, t2 = np.trace(R @ Q).real, np.trace(R @ R @ Q).real
-    a = min(-t1 / t2, 0.125) if t2 < 0 else 0.125
-    return Q + a * R @ Q + 0.5 * a * a * R @ R @ Q
-
-
-def update_factors_gen2_hermitian(
-    Qs: Sequence[np.ndarray],
-    Ls: Sequence[float],
-    G: np.ndarray,
-    targets: Sequence[np.ndarray],
-    lr: float,
-    style: str,
-    lipschitz_decay: float = 0.95,
-) -> tuple[list[np.ndarray], list[float]]:
-    """:func:`update_factors_gen2` over ℂ: vec(Pg) = (⊗ Q_iᴴQ_i)·vec(G),
-    T1 = Pg_(i)Pg_(i)ᴴ (real diagonal for a diagonal factor), E = T1 − T2;
-    PRO: Q ← :func:`procrustes_step_hermitian` (Q − μEQ), q ← q(1 − μE);
-    QUAD: Q' = Q − (μ/2)EQ, Q'' = Q' − (μ/2)Q'E, Q ← (Q'' + Q''ᴴ)/2,
-    q ← q(1 − (μ/2)E)²."""
-    Pg = precondition_hermitian(Qs, G)
-    new_Qs, new_Ls = [], []
-    for axis, (Q, L, T2) in enumerate(zip(Qs, Ls, targets, strict=True)):
-        Q = np.asarray(Q, dtype=np.complex128)
-        Pg_i = np.moveaxis(Pg, axis, 0).reshape(Pg.shape[axis], -1)
-        T1 = Pg_i @ Pg_i.conj().T
-        if Q.ndim == 1:
-            T1 = np.real(np.diag(T1))
-            T2 = np.real(np.asarray(T2))
-            ell = np.max(T1) + np.max(T2)
-        else:
-            T2 = np.asarray(T2, dtype=np.complex128)
-            ell = norm_lower_bound_hermitian(T1) + norm_lower_bound_hermitian(T2)
-        L = max(lipschitz_decay * L + (1 - lipschitz_decay) * ell, ell)
-        mu = lr / (L + TINY)
-        E = T1 - T2
-        if Q.ndim == 1:
-            Q = Q * (1 - mu * E) if style == "PRO" else Q * (1 - 0.5 * mu * E) ** 2
-        elif style == "PRO":
-            Q = procrustes_step_hermitian(Q - mu * E @ Q)
         else:
             Q = Q - 0.5 * mu * E @ Q
             Q = Q - 0.5 * mu * Q @ E

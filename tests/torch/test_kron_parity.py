@@ -461,27 +461,6 @@ def assert_close_complex(actual, desired, rtol=RTOL, name=""):
     )
 
 
-def test_hermitian_reference_equals_the_real_reference_on_real_input():
-    """The complex reference is the real one when everything is real (so it
-    inherits that reference's checks), and differs once G is complex."""
-    rng = np.random.default_rng(11)
-    for shape in SHAPES:
-        for mask in itertools.product([True, False], repeat=len(shape)):
-            ((Qs, G, V),) = random_problems(rng, shape, mask, 1)
-            want = ref.update_factors(Qs, G, V, 0.1)
-            got = ref.update_factors_hermitian(Qs, G, V, 0.1)
-            for Q_c, Q_r in zip(got, want, strict=True):
-                np.testing.assert_allclose(Q_c, Q_r, rtol=1e-13, atol=1e-13)
-            np.testing.assert_allclose(
-                ref.precondition_hermitian(Qs, G), ref.precondition(Qs, G), rtol=1e-13
-            )
-            S = G.reshape(shape[0], -1)
-            S = S @ S.T
-            assert ref.norm_lower_bound_hermitian(S) == pytest.approx(
-                ref.norm_lower_bound(S), rel=1e-13
-            )
-
-
 @pytest.mark.parametrize(("shape", "mask"), CASES)
 def test_complex_kernels_equal_the_hermitian_reference(shape, mask):
     """On stacks of 3 complex128 problems: P·G with P = ⊗ Q_iᴴQ_i, the factor
@@ -498,11 +477,11 @@ def test_complex_kernels_equal_the_hermitian_reference(shape, mask):
     updated = tkm.update_factors(Qs_t, damped, V_t, 0.1)
     for b, (Qs, G, V) in enumerate(problems):
         assert_close_complex(
-            preconditioned[b].numpy(), ref.precondition_hermitian(Qs, G), name="PG"
+            preconditioned[b].numpy(), ref.precondition(Qs, G), name="PG"
         )
         G_ref = G + ref.DAMPING_SCALE * np.mean(np.abs(G)) * V
         assert_close_complex(damped[b].numpy(), G_ref, name="damped")
-        want = ref.update_factors_hermitian(Qs, G_ref, V, 0.1)
+        want = ref.update_factors(Qs, G_ref, V, 0.1)
         for axis, (Q_t, Q_ref) in enumerate(zip(updated, want, strict=True)):
             assert_close_complex(Q_t[b].numpy(), Q_ref, name=f"Q_{axis}")
             diag = np.diagonal(Q_t[b].numpy()) if Q_ref.ndim == 2 else Q_t[b].numpy()
@@ -513,7 +492,7 @@ def test_complex_kernels_equal_the_hermitian_reference(shape, mask):
     S = X @ X.conj().transpose(0, 2, 1)
     got = tkm.norm_lower_bound(torch.from_numpy(S)).numpy()
     for b in range(3):
-        assert got[b] == pytest.approx(ref.norm_lower_bound_hermitian(S[b]), rel=RTOL)
+        assert got[b] == pytest.approx(ref.norm_lower_bound(S[b]), rel=RTOL)
         assert got[b] <= np.linalg.norm(S[b], 2) * (1 + RTOL)
 
 
@@ -573,8 +552,8 @@ def test_complex_kron_steps_equal_the_hermitian_reference(monkeypatch):
             mu_hat = momenta[i] / (1 - b1**n)
             V = noises[(n, i)]
             damped = mu_hat + ref.DAMPING_SCALE * np.mean(np.abs(mu_hat)) * V
-            factors[i] = ref.update_factors_hermitian(factors[i], damped, V, 0.1)
-            U = ref.precondition_hermitian(factors[i], mu_hat)
+            factors[i] = ref.update_factors(factors[i], damped, V, 0.1)
+            U = ref.precondition(factors[i], mu_hat)
             rms = np.sqrt(np.mean(np.abs(U) ** 2))
             thetas[i] = thetas[i] - lr * U / max(1.0, rms / 1.1)
             state = optimizer.state[params[i]]
@@ -640,7 +619,7 @@ def test_complex_generation_2_step_equals_the_hermitian_reference(shape, mask, s
     targets = tkm.whitening_targets(shape, mask, G_t)
     got_Qs, got_L = tkm.update_factors_gen2(Qs_t, L_t, G_t, targets, 0.2, style)
     for b, (Qs, G, _) in enumerate(problems):
-        want_Qs, want_L = ref.update_factors_gen2_hermitian(
+        want_Qs, want_L = ref.update_factors_gen2(
             Qs, [0.5] * len(shape), G, [t.numpy() for t in targets], 0.2, style
         )
         for axis, (Q_t, Q_ref) in enumerate(zip(got_Qs, want_Qs, strict=True)):
