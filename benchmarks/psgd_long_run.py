@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import loadavg, machine_info
+from _common import json_safe, loadavg, machine_info
 from precond.jax import hessian_helper
 
 DEFAULT_STEPS = 50_000
@@ -316,16 +316,6 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -392,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "psgd_long_run.json"), "w") as f:
-            json.dump(_json_safe(result), f, indent=2, allow_nan=False)
+            json.dump(json_safe(result), f, indent=2, allow_nan=False)
         with open(os.path.join(args.out, "psgd_long_run.md"), "w") as f:
             f.write(f"command: `{cfg['command']}`\n\n{text}\n")
         log(f"wrote {args.out}/psgd_long_run.json and .md")

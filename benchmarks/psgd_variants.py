@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import loadavg, machine_info
+from _common import json_safe, loadavg, machine_info
 from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY
 from precond.bench.runner import learning_rate_schedule
 from precond.bench.workloads import batch_indices, get_workload
@@ -626,17 +626,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _json_safe(x: Any) -> Any:
-    """``x`` with every non-finite float replaced by None (strict JSON)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     variants = [VARIANTS[name] for name in args.variants]
@@ -672,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(report(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_json_safe(result), f, indent=2, allow_nan=False)
+            json.dump(json_safe(result), f, indent=2, allow_nan=False)
         log(f"wrote {args.json}")
     if args.plot:
         plot(result, args.plot)

@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import loadavg, machine_info, median_time
+from _common import json_safe, loadavg, machine_info, median_time
 from kron_update import (
     _is_shape,
     _table,
@@ -90,7 +90,6 @@ from psgd_variants import (
     WARMUP_STEPS,
     WORKLOADS,
     Variant,
-    _json_safe,
     _names,
     _positive_int,
     lr_grid_parser,
@@ -706,7 +705,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(report(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_json_safe(result), f, indent=2, allow_nan=False)
+            json.dump(json_safe(result), f, indent=2, allow_nan=False)
         log(f"wrote {args.json}")
     return result
 
