@@ -1,5 +1,6 @@
 """Nothing lost, and bad input rejected: checkpoint/resume and argument validation."""
 
+import inspect
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import optax
 import pytest
 
 import precond.jax as pj
+from precond.jax._kron_arguments import KRON_ARGUMENT_CHECKS
 
 # The training run shared by this process and the resumed one (its source is run in
 # both, so they cannot drift apart).
@@ -142,6 +144,13 @@ def test_resume_from_checkpoint_in_new_process_is_bit_identical(tmp_path):
 def test_invalid_arguments_raise_at_construction(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         pj.kron(**kwargs)
+
+
+def test_every_argument_has_a_check():
+    """The table of checks names every argument of scale_by_kron, in order."""
+    assert list(KRON_ARGUMENT_CHECKS) == list(
+        inspect.signature(pj.scale_by_kron).parameters
+    )
 
 
 def test_unknown_keyword_is_a_type_error():

@@ -4,6 +4,7 @@ the construction-time checks of every argument of ``scale_by_kron``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -61,76 +62,73 @@ def precond_update_prob_schedule(
     return schedule
 
 
-def validate_kron_arguments(
-    *,
-    b1,
-    preconditioner_update_probability,
-    max_size_triangular,
-    min_ndim_triangular,
-    memory_save_mode,
-    preconditioner_lr,
-    preconditioner_init_scale,
-    mu_dtype,
-    precond_dtype,
-    precond_update_precision,
-    precond_grads_precision,
-    lax_map_batch_size,
-    target_merged_dim_size,
-    block_size,
-    preconditioner_partition_spec,
-    mesh,
-    preconditioner_cache,
-    preconditioner_update_style,
-    seed,
-    momentum_into_precond_update,
-    lax_map_scanned_layers,
-    merge_small_dims,
-    partition_grads_into_blocks,
-) -> None:
-    check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
-    check_real(
-        "preconditioner_update_probability",
-        preconditioner_update_probability,
-        low=0.0,
-        high=1.0,
-        allow_schedule=True,
-    )
-    check_int("max_size_triangular", max_size_triangular, low=0)
-    check_int("min_ndim_triangular", min_ndim_triangular, low=0)
-    check_choice("memory_save_mode", memory_save_mode, MEMORY_SAVE_MODES)
-    check_real("preconditioner_lr", preconditioner_lr, low=0.0, low_inclusive=False)
-    check_real(
-        "preconditioner_init_scale",
-        preconditioner_init_scale,
-        low=0.0,
-        low_inclusive=False,
-    )
-    check_floating_dtype("mu_dtype", mu_dtype)
-    check_floating_dtype("precond_dtype", precond_dtype)
-    check_choice(
-        "precond_update_precision", precond_update_precision, MATMUL_PRECISIONS
-    )
-    check_choice("precond_grads_precision", precond_grads_precision, MATMUL_PRECISIONS)
-    check_int("lax_map_batch_size", lax_map_batch_size, low=1)
-    check_int("target_merged_dim_size", target_merged_dim_size, low=1)
-    check_int("block_size", block_size, low=1)
-    if preconditioner_partition_spec is not None and not isinstance(
-        preconditioner_partition_spec, PartitionSpec
+def _check_partition_spec(name, value) -> None:
+    if value is not None and not isinstance(value, PartitionSpec):
+        raise ValueError(
+            f"Invalid {name}={value!r}: must be a jax.sharding.PartitionSpec or None"
+        )
+
+
+def _check_mesh(name, value) -> None:
+    if value is not None and not isinstance(
+        value, jax.sharding.Mesh | jax.sharding.AbstractMesh
     ):
         raise ValueError(
-            f"Invalid preconditioner_partition_spec={preconditioner_partition_spec!r}:"
-            " must be a jax.sharding.PartitionSpec or None"
+            f"Invalid {name}={value!r}: must be a jax.sharding.Mesh or None"
         )
-    if mesh is not None and not isinstance(
-        mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh
-    ):
-        raise ValueError(f"Invalid mesh={mesh!r}: must be a jax.sharding.Mesh or None")
-    check_choice("preconditioner_cache", preconditioner_cache, PRECONDITIONER_CACHES)
-    check_choice(
-        "preconditioner_update_style", preconditioner_update_style, km.UPDATE_STYLES
-    )
-    check_int("seed", seed)
-    check_bool("momentum_into_precond_update", momentum_into_precond_update)
-    check_bool("lax_map_scanned_layers", lax_map_scanned_layers)
-    check_bool("merge_small_dims", merge_small_dims)
-    check_bool("partition_grads_into_blocks", partition_grads_into_blocks)
+
+
+def _checked_at_init(name, value) -> None:
+    """Pytrees matched against the params (``scanned_layers``,
+    ``params_partition_specs``): ``init`` checks them, with the params."""
+
+
+def _positive(name, value, **kwargs) -> None:
+    check_real(name, value, low=0.0, low_inclusive=False, **kwargs)
+
+
+# One check per argument of scale_by_kron, in signature order; each raises
+# ``Invalid <name>=<value!r>: must be <rule>`` (TypeError for a wrong type).
+KRON_ARGUMENT_CHECKS = {
+    "b1": functools.partial(check_real, low=0.0, high=1.0, high_inclusive=False),
+    "preconditioner_update_probability": functools.partial(
+        check_real, low=0.0, high=1.0, allow_schedule=True
+    ),
+    "max_size_triangular": functools.partial(check_int, low=0),
+    "min_ndim_triangular": functools.partial(check_int, low=0),
+    "memory_save_mode": functools.partial(check_choice, choices=MEMORY_SAVE_MODES),
+    "momentum_into_precond_update": check_bool,
+    "preconditioner_lr": _positive,
+    "preconditioner_init_scale": _positive,
+    "mu_dtype": check_floating_dtype,
+    "precond_dtype": check_floating_dtype,
+    "precond_update_precision": functools.partial(
+        check_choice, choices=MATMUL_PRECISIONS
+    ),
+    "precond_grads_precision": functools.partial(
+        check_choice, choices=MATMUL_PRECISIONS
+    ),
+    "scanned_layers": _checked_at_init,
+    "lax_map_scanned_layers": check_bool,
+    "lax_map_batch_size": functools.partial(check_int, low=1),
+    "merge_small_dims": check_bool,
+    "target_merged_dim_size": functools.partial(check_int, low=1),
+    "partition_grads_into_blocks": check_bool,
+    "block_size": functools.partial(check_int, low=1),
+    "params_partition_specs": _checked_at_init,
+    "preconditioner_partition_spec": _check_partition_spec,
+    "mesh": _check_mesh,
+    "preconditioner_cache": functools.partial(
+        check_choice, choices=PRECONDITIONER_CACHES
+    ),
+    "preconditioner_update_style": functools.partial(
+        check_choice, choices=km.UPDATE_STYLES
+    ),
+    "seed": check_int,
+}
+
+
+def validate_kron_arguments(**arguments) -> None:
+    """Checks every argument of ``scale_by_kron`` with :data:`KRON_ARGUMENT_CHECKS`."""
+    for name, check in KRON_ARGUMENT_CHECKS.items():
+        check(name, arguments[name])

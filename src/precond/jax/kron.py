@@ -256,31 +256,7 @@ def scale_by_kron(
         An ``optax.GradientTransformationExtraArgs`` whose state is a
         :class:`KronState`.
     """
-    validate_kron_arguments(
-        b1=b1,
-        preconditioner_update_probability=preconditioner_update_probability,
-        max_size_triangular=max_size_triangular,
-        min_ndim_triangular=min_ndim_triangular,
-        memory_save_mode=memory_save_mode,
-        preconditioner_lr=preconditioner_lr,
-        preconditioner_init_scale=preconditioner_init_scale,
-        mu_dtype=mu_dtype,
-        precond_dtype=precond_dtype,
-        precond_update_precision=precond_update_precision,
-        precond_grads_precision=precond_grads_precision,
-        lax_map_batch_size=lax_map_batch_size,
-        target_merged_dim_size=target_merged_dim_size,
-        block_size=block_size,
-        preconditioner_partition_spec=preconditioner_partition_spec,
-        mesh=mesh,
-        preconditioner_cache=preconditioner_cache,
-        preconditioner_update_style=preconditioner_update_style,
-        seed=seed,
-        momentum_into_precond_update=momentum_into_precond_update,
-        lax_map_scanned_layers=lax_map_scanned_layers,
-        merge_small_dims=merge_small_dims,
-        partition_grads_into_blocks=partition_grads_into_blocks,
-    )
+    validate_kron_arguments(**locals())  # first: locals() are the arguments
     warn_if_xla_cpu_deadlock_possible()
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
