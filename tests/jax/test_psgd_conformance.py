@@ -11,6 +11,7 @@ dtypes, and the non-finite-gradient policy.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 
 import jax
@@ -426,3 +427,20 @@ def test_every_seed_form_psgd_jax_accepts_works(name):
     }
     int_state, key_state = states["7"], states[repr(jax.random.PRNGKey(7))]
     jax.tree.map(np.testing.assert_array_equal, int_state, key_state)
+
+
+def test_every_argument_has_a_check():
+    """Each variant's scale_by_* arguments are exactly the shared table's plus
+    its own table's: none goes unchecked."""
+    from precond.jax._psgd_transform import PSGD_ARGUMENT_CHECKS
+    from precond.jax.affine import AFFINE_ARGUMENT_CHECKS
+    from precond.jax.lra import LRA_ARGUMENT_CHECKS
+
+    own = {
+        pj.scale_by_xmat: {},
+        pj.scale_by_lra: LRA_ARGUMENT_CHECKS,
+        pj.scale_by_affine: AFFINE_ARGUMENT_CHECKS,
+    }
+    for transform, checks in own.items():
+        arguments = set(inspect.signature(transform).parameters)
+        assert arguments == set(PSGD_ARGUMENT_CHECKS) | set(checks), transform

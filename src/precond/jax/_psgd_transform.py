@@ -19,6 +19,7 @@ old factors.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -76,45 +77,43 @@ class Preconditioner(NamedTuple):
     apply: Callable[[Any, Any], Any]
 
 
-def check_psgd_arguments(
-    preconditioner_update_probability,
-    b1,
-    precond_lr,
-    precond_init_scale,
-    update_global_norm_clip,
-    step_normalizer_order,
-    precision,
-    nesterov,
-    seed,
-    mu_dtype,
-) -> None:
+def _optional(check: Callable) -> Callable:
+    """``check``, skipped for None."""
+
+    def check_optional(name, value):
+        if value is not None:
+            check(name, value)
+
+    return check_optional
+
+
+_positive = functools.partial(check_real, low=0.0, low_inclusive=False)
+
+# One check per argument every PSGD variant shares (psgd-jax's), each raising
+# ``Invalid <name>=<value!r>: must be <rule>``; XMat, LRA and Affine add their
+# own (e.g. LRA_ARGUMENT_CHECKS) and tests tie them to their signatures.
+PSGD_ARGUMENT_CHECKS = {
+    "preconditioner_update_probability": functools.partial(
+        check_real, low=0.0, high=1.0
+    ),
+    "b1": functools.partial(check_real, low=0.0, high=1.0, high_inclusive=False),
+    "nesterov": check_bool,
+    "precond_lr": functools.partial(_positive, allow_schedule=True),
+    "precond_init_scale": _optional(_positive),
+    "update_global_norm_clip": _optional(_positive),
+    "step_normalizer_order": functools.partial(
+        check_choice, choices=STEP_NORMALIZER_ORDERS
+    ),
+    "seed": lambda name, value: check_seed(value),
+    "mu_dtype": check_floating_dtype,
+    "precision": functools.partial(check_choice, choices=MATMUL_PRECISIONS),
+}
+
+
+def check_psgd_arguments(**arguments) -> None:
     """Construction-time checks of the arguments every PSGD variant shares."""
-    check_bool("nesterov", nesterov)
-    check_seed(seed)
-    check_floating_dtype("mu_dtype", mu_dtype)
-    check_real(
-        "preconditioner_update_probability",
-        preconditioner_update_probability,
-        low=0.0,
-        high=1.0,
-    )
-    check_real("b1", b1, low=0.0, high=1.0, high_inclusive=False)
-    check_real(
-        "precond_lr", precond_lr, low=0.0, low_inclusive=False, allow_schedule=True
-    )
-    if precond_init_scale is not None:
-        check_real(
-            "precond_init_scale", precond_init_scale, low=0.0, low_inclusive=False
-        )
-    if update_global_norm_clip is not None:
-        check_real(
-            "update_global_norm_clip",
-            update_global_norm_clip,
-            low=0.0,
-            low_inclusive=False,
-        )
-    check_choice("step_normalizer_order", step_normalizer_order, STEP_NORMALIZER_ORDERS)
-    check_choice("precision", precision, MATMUL_PRECISIONS)
+    for name, check in PSGD_ARGUMENT_CHECKS.items():
+        check(name, arguments[name])
 
 
 def check_seed(seed) -> None:
@@ -170,16 +169,16 @@ def scale_by_psgd(
     preconditioner, built by the caller, uses them).
     """
     check_psgd_arguments(
-        preconditioner_update_probability,
-        b1,
-        precond_lr,
-        precond_init_scale,
-        update_global_norm_clip,
-        step_normalizer_order,
-        precision,
-        nesterov,
-        seed,
-        mu_dtype,
+        preconditioner_update_probability=preconditioner_update_probability,
+        b1=b1,
+        nesterov=nesterov,
+        precond_lr=precond_lr,
+        precond_init_scale=precond_init_scale,
+        update_global_norm_clip=update_global_norm_clip,
+        step_normalizer_order=step_normalizer_order,
+        seed=seed,
+        mu_dtype=mu_dtype,
+        precision=precision,
     )
     warn_if_xla_cpu_deadlock_possible()
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)

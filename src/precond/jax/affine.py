@@ -16,6 +16,7 @@ The factor kernels are Kron's (:mod:`precond.jax._kron_math`): the fit is
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -285,10 +286,11 @@ def affine_preconditioner(
     return Preconditioner(init, fit, apply)
 
 
-def check_affine_arguments(max_size_triangular, max_skew_triangular) -> None:
-    """Construction-time checks of Affine's own arguments."""
-    check_int("max_size_triangular", max_size_triangular, low=0)
-    check_int("max_skew_triangular", max_skew_triangular, low=0)
+# Affine's own arguments (the shared ones: PSGD_ARGUMENT_CHECKS).
+AFFINE_ARGUMENT_CHECKS = {
+    "max_size_triangular": functools.partial(check_int, low=0),
+    "max_skew_triangular": functools.partial(check_int, low=0),
+}
 
 
 def scale_by_affine(
@@ -346,7 +348,11 @@ def scale_by_affine(
     Example:
         >>> optimizer = scale_by_affine()  # doctest: +SKIP
     """
-    check_affine_arguments(max_size_triangular, max_skew_triangular)
+    for name, value in (
+        ("max_size_triangular", max_size_triangular),
+        ("max_skew_triangular", max_skew_triangular),
+    ):
+        AFFINE_ARGUMENT_CHECKS[name](name, value)
     return scale_by_psgd(
         affine_preconditioner(
             step_normalizer_order, max_size_triangular, max_skew_triangular, precision

@@ -10,6 +10,7 @@ O(nr) work per step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,6 +31,10 @@ from precond.jax._psgd_transform import (
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
 # them as ``static_args`` to ``optax.inject_hyperparams``.
 LRA_STATIC_ARGS = ("uvd_rank_of_approximation", "seed")
+# LRA's own arguments (the shared ones: PSGD_ARGUMENT_CHECKS).
+LRA_ARGUMENT_CHECKS = {
+    "uvd_rank_of_approximation": functools.partial(check_int, low=1),
+}
 BALANCE_PROBABILITY = 0.01  # chance per fit of rebalancing ‖U‖ and ‖V‖
 UPDATE_U_PROBABILITY = 0.5  # chance per fit of stepping U (else V)
 
@@ -297,7 +302,9 @@ def scale_by_lra(
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
     """
-    check_int("uvd_rank_of_approximation", uvd_rank_of_approximation, low=1)
+    LRA_ARGUMENT_CHECKS["uvd_rank_of_approximation"](
+        "uvd_rank_of_approximation", uvd_rank_of_approximation
+    )
     return scale_by_psgd(
         lra_preconditioner(uvd_rank_of_approximation, step_normalizer_order, precision),
         preconditioner_update_probability=preconditioner_update_probability,
