@@ -28,6 +28,7 @@ import numpy as np
 import optax
 import pytest
 
+import precond.jax as pj
 from tests.jax.helpers import EVERY_OPTIMIZER as OPTIMIZERS
 
 NAMES = list(OPTIMIZERS)
@@ -243,3 +244,79 @@ def test_integer_parameters_are_refused_at_init(name):
     params = {"w": jnp.zeros((4, 3)), "steps": jnp.zeros((3,), jnp.int32)}
     with pytest.raises(TypeError, match=r"steps.*int32"):
         optimizer.init(params)
+
+
+# Extreme but valid settings per optimizer family (argument ↦ values); the
+# learning rate is the first positional argument of every factory.
+EXTREME_SETTINGS = {
+    "kron": (
+        pj.kron,
+        dict(
+            learning_rate=[1e-30, 1e6],
+            b1=[0.0, 0.999999],
+            preconditioner_lr=[1e-30, 10.0, 1e6],
+            preconditioner_init_scale=[1e-30, 1e30],
+            preconditioner_update_style=["QUAD", "PRO"],
+            max_size_triangular=[0],
+            block_size=[1],
+        ),
+    ),
+    "xmat": (
+        pj.xmat,
+        dict(
+            learning_rate=[1e6],
+            precond_lr=[1e-30, 1e6],
+            precond_init_scale=[1e-30, 1e30],
+            update_global_norm_clip=[1e-30],
+        ),
+    ),
+    "lra": (
+        pj.low_rank_approximation,
+        dict(
+            precond_lr=[1e6],
+            precond_init_scale=[1e30],
+            uvd_rank_of_approximation=[1, 1000],
+        ),
+    ),
+    "affine": (pj.affine, dict(precond_lr=[1e6], precond_init_scale=[1e30])),
+    "shampoo": (
+        functools.partial(
+            pj.distributed_shampoo, block_size=4, start_preconditioning_step=2
+        ),
+        dict(
+            learning_rate=[1e6],
+            beta1=[0.0, 0.999999],
+            beta2=[0.0, 1.0],
+            diagonal_epsilon=[0.0, 1e30],
+            matrix_epsilon=[0.0, 1e30],
+            exponent_override=[1, 64],
+            clip_by_scaled_gradient_norm=[1e-30],
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(EXTREME_SETTINGS))
+def test_extreme_but_valid_settings_keep_the_state_finite(family):
+    """Each setting alone, 20 steps on the quadratic: the optimizer's state
+    stays finite. (The parameters may diverge, e.g. at a learning rate of 1e6,
+    as with any optimizer: that is the setting's effect, not a corrupted state.)"""
+    make, grid = EXTREME_SETTINGS[family]
+    params = jax.tree.map(jnp.zeros_like, TARGET)
+    for argument, values in grid.items():
+        for value in values:
+            kwargs = {"learning_rate": LEARNING_RATE, argument: value}
+            optimizer = make(**kwargs)
+
+            def run(params, optimizer=optimizer):
+                def body(carry, _):
+                    params, state = carry
+                    grads = jax.grad(_loss)(params)
+                    updates, state = optimizer.update(grads, state, params)
+                    return (optax.apply_updates(params, updates), state), None
+
+                init = (params, optimizer.init(params))
+                (_, state), _ = jax.lax.scan(body, init, None, length=20)
+                return _finite(state)
+
+            assert bool(jax.jit(run)(params)), f"{family} {argument}={value}"
