@@ -168,18 +168,7 @@ def scale_by_psgd(
     ``step_normalizer_order`` and ``precision`` are only checked here (the
     preconditioner, built by the caller, uses them).
     """
-    check_psgd_arguments(
-        preconditioner_update_probability=preconditioner_update_probability,
-        b1=b1,
-        nesterov=nesterov,
-        precond_lr=precond_lr,
-        precond_init_scale=precond_init_scale,
-        update_global_norm_clip=update_global_norm_clip,
-        step_normalizer_order=step_normalizer_order,
-        seed=seed,
-        mu_dtype=mu_dtype,
-        precision=precision,
-    )
+    check_psgd_arguments(**locals())  # first: locals() are the arguments
     warn_if_xla_cpu_deadlock_possible()
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None
