@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from precond.torch import Kron
@@ -270,3 +272,29 @@ def test_robustness(optimizer, case):
     clean = _clean_loss(optimizer, spec.dtype)
     bad, _, _ = _train(build, spec.dtype, spec.pattern, (BAD_STEP,))
     assert abs(bad - clean) <= 0.01 * clean, (bad, clean)
+
+
+# --- hypothesis: generated shapes and gradient scales ------------------------------
+
+
+@pytest.mark.parametrize("memory_save_mode", [None, "one_diag", "all_diag"])
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    shape=st.lists(st.sampled_from([0, 1, 2, 3, 5, 17, 64]), max_size=3).map(tuple),
+    exponent=st.integers(-30, 25),
+)
+def test_generated_shapes_and_scales_keep_kron_finite(
+    memory_save_mode, shape, exponent
+):
+    """Any shape (0-size, scalar, size-1 and long dims) with gradients of any
+    magnitude from 1e-30 to 1e25 (skipped above the float32 overflow of Σg²):
+    the parameter and Kron's state stay finite over three steps."""
+    x = nn.Parameter(torch.ones(shape))
+    optimizer = Kron([x], lr=0.01, memory_save_mode=memory_save_mode)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x.grad = 10.0**exponent * torch.randn(shape, generator=generator)
+        optimizer.step()
+        state = optimizer.state[x]  # empty for a 0-size parameter: nothing to keep
+        tensors = [state["momentum"], *state["Q"]] if state else []
+        _assert_finite([x.detach(), *tensors], (shape, exponent))
