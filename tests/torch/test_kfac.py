@@ -540,7 +540,10 @@ def test_naming_an_unsupported_layer_is_refused(layers, message):
         (dict(factor_dtype=torch.int32), r"Invalid factor_dtype"),
         (dict(grad_scaler=3.0), r"Invalid grad_scaler=3.0"),
         (dict(colocate_factors=False), r"Invalid colocate_factors=False"),
-        (dict(skip_layers="fc"), r"Invalid skip_layers=.fc.: must be a list of str"),
+        (
+            dict(skip_layers=["fc", 3]),
+            r"Invalid skip_layers=\['fc', 3\]: must be a list",
+        ),
         (dict(unknown=1), r"unexpected keyword argument 'unknown'"),
     ],
 )
@@ -778,7 +781,9 @@ BAD_ARGUMENTS = [
     ("grad_scaler", "scaler"),
     ("factor_dtype", "float32"),
     ("inv_dtype", torch.float16),
-    ("skip_layers", "fc"),
+    ("skip_layers", 3),
+    ("verbose", "yes"),
+    ("world_size_invariant", 1.0),
     ("skip_layers", ["("]),
     ("update_factors_in_hook", 0),
     ("loglevel", True),

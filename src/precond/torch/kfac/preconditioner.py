@@ -41,9 +41,9 @@ ranks (KAISA's G grows with W², which changes what a given damping means).
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import math
-import numbers
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -83,11 +83,12 @@ logger = logging.getLogger("precond.torch.kfac")
 
 
 class DistributedStrategy(enum.Enum):
-    """Preset gradient-worker fractions: 1, 1/2 and 1/world_size."""
+    """Preset gradient-worker fractions: COMM_OPT 1, HYBRID_OPT 1/2, MEM_OPT
+    1/world_size (KAISA's members and values)."""
 
     COMM_OPT = 1
-    HYBRID_OPT = 2
-    MEM_OPT = 3
+    MEM_OPT = 2
+    HYBRID_OPT = 3
 
 
 class ComputeMethod(enum.Enum):
@@ -104,7 +105,32 @@ class AssignmentStrategy(enum.Enum):
     MEMORY = 2
 
 
-Schedulable = Callable[[int], float] | float
+Schedulable = Callable[[], float] | Callable[[int], float] | float
+
+# The hyperparameters KAISA keeps in ``param_groups[0]`` (what LR schedulers and
+# ``KFACParamScheduler`` change), besides the step count ``step``.
+_GROUP_HYPERPARAMETERS = (
+    "damping",
+    "factor_decay",
+    "factor_update_steps",
+    "inv_update_steps",
+    "kl_clip",
+    "lr",
+)
+
+
+def _takes_step(function: Callable) -> bool:
+    """Whether a schedule is called with the step count: KAISA 0.4 calls its
+    callables with no argument, KFACPreconditioner (later releases) with the step."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # builtins without a signature: as KAISA 0.4
+        return False
+    try:
+        signature.bind()
+    except TypeError:
+        return True
+    return False
 
 
 def _enum_member(name: str, value: Any, enum_type: type[enum.Enum]) -> enum.Enum:
@@ -139,8 +165,11 @@ def _grad_workers(fraction: Any, world_size: int) -> int:
 
 
 def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
+    """Whether a pattern matches the module's name or class name in full, ignoring
+    case (KAISA compares lower-cased names)."""
     return any(
-        re.fullmatch(p, name) or re.fullmatch(p, type(module).__name__)
+        re.fullmatch(p, name, re.IGNORECASE)
+        or re.fullmatch(p, type(module).__name__, re.IGNORECASE)
         for p in patterns
     )
 
@@ -190,6 +219,8 @@ def _check_dtype(name: str, value: Any) -> None:
 def _check_patterns(name: str, value: Any) -> None:
     if value is None:
         return
+    if name == "skip_layers" and isinstance(value, str):
+        value = [value]  # KAISA takes one name as a str
     if isinstance(value, str) or not isinstance(value, Sequence | set):
         raise TypeError(f"Invalid {name}={value!r}: must be a list of str")
     for pattern in value:
@@ -236,16 +267,28 @@ _ARGUMENT_CHECKS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
     ("inv_dtype", _check_dtype),
     ("skip_layers", _check_patterns),
     ("update_factors_in_hook", check_bool),
+    ("verbose", check_bool),
     ("loglevel", partial(check_int, low=0)),
     ("layers", _check_patterns),
+    ("world_size_invariant", check_bool),
 )
 
 
-class KFAC:
+class KFAC(torch.optim.Optimizer):
     """K-FAC gradient preconditioner with KAISA's distribution strategies.
 
-    Args (KAISA's names, meanings and defaults; those marked "schedulable" may also
-    be a callable of the step count ``steps``):
+    A ``torch.optim.Optimizer`` as KAISA's ``KFAC`` is: ``param_groups[0]`` holds
+    ``damping``, ``factor_decay``, ``factor_update_steps``, ``inv_update_steps``,
+    ``kl_clip``, ``lr`` and the step count ``step``, so PyTorch's LR schedulers
+    (``LambdaLR(preconditioner, f)``, ``StepLR``...) schedule ``lr`` and
+    :class:`~precond.torch.kfac.KFACParamScheduler` the damping and intervals.
+    Its one parameter is a placeholder scalar: ``step()`` changes the ``.grad`` of
+    the model's registered layers, not parameters of its own.
+
+    Args (KAISA 0.4's names, positional order, meanings and defaults; those marked
+    "schedulable" may also be a callable: with no arguments it is called as is,
+    KAISA 0.4's way, and with one required argument it gets the step count, the
+    way of KAISA's later ``KFACPreconditioner``):
         model: the module whose ``nn.Linear`` and ``nn.Conv2d`` layers (exact types;
             grouped convolutions excepted) are registered, walking it recursively.
         factor_update_steps: steps between factor updates (schedulable).
@@ -263,29 +306,40 @@ class KFAC:
         compute_method: ``ComputeMethod`` (or 'eigen'/'inverse').
         compute_eigenvalue_outer_product: eigen only: precompute 1 ⊘ (d_G d_Aᵀ + λ)
             on the inverse worker (needs ``colocate_factors``).
-        grad_worker_fraction: a ``DistributedStrategy`` or a fraction in [0, 1]
-            (0 means 1/world_size) of ranks that precondition each layer.
+        grad_worker_fraction: a ``DistributedStrategy`` (COMM_OPT: 1, HYBRID_OPT:
+            1/2, MEM_OPT: 1/world_size) or a fraction in [0, 1] (0 means
+            1/world_size) of ranks that precondition each layer. The attribute of
+            that name holds the fraction, ``distributed_strategy`` the strategy.
         symmetry_aware: send symmetric matrices as their upper triangle.
         grad_scaler: a ``torch.amp.GradScaler`` (or a callable returning the loss
             scale) whose scale the output gradients are divided by.
         factor_dtype: dtype of the factors (default: the weight's dtype promoted to
             at least float32).
         inv_dtype: dtype of decompositions and preconditioning (default float32).
-        skip_layers: regular expressions; a module whose name or class name matches
-            one (in full) is not registered, nor is anything inside it.
+        skip_layers: a name or a list of names (regular expressions, matched in
+            full and ignoring case); a module whose name or class name matches one
+            is not registered, nor is anything inside it.
         update_factors_in_hook: accepted for KAISA compatibility: contributions are
             always computed in the hooks and folded in by ``step()``.
+        verbose: log the registration and assignment lines at ``logging.INFO``
+            (at least) on the ``precond.torch.kfac`` logger.
+
+    Keyword-only, from KAISA's later ``KFACPreconditioner`` and precond:
         loglevel: level of the registration and assignment log lines.
         layers: precond extension: names of the modules to register (default:
             every supported one). A named module that is not supported is an error.
+        world_size_invariant: True (precond): the hooks use the output gradient of
+            the global (rank-averaged) loss, g/world_size, so the factors, and
+            what a given damping means, do not change with the number of ranks.
+            False: KAISA's factors, whose G is world_size² times larger under data
+            parallelism (the same in one process).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        *,
-        factor_update_steps: Callable[[int], int] | int = 1,
-        inv_update_steps: Callable[[int], int] | int = 1,
+        factor_update_steps: Callable[..., int] | int = 1,
+        inv_update_steps: Callable[..., int] | int = 1,
         damping: Schedulable = 0.001,
         factor_decay: Schedulable = 0.95,
         kl_clip: Schedulable | None = 0.001,
@@ -303,10 +357,13 @@ class KFAC:
         grad_scaler: Any = None,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype = torch.float32,
-        skip_layers: Sequence[str] | None = None,
+        skip_layers: Sequence[str] | str | None = [],  # KAISA's; never mutated
         update_factors_in_hook: bool = True,
+        verbose: bool = False,
+        *,
         loglevel: int = logging.DEBUG,
         layers: Sequence[str] | None = None,
+        world_size_invariant: bool = True,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Invalid model={model!r}: must be a torch.nn.Module")
@@ -327,13 +384,23 @@ class KFAC:
                 "True needs both factors of a layer on one rank (set "
                 "colocate_factors=True or compute_eigenvalue_outer_product=False)"
             )
+        if isinstance(skip_layers, str):
+            skip_layers = [skip_layers]
+        if verbose:
+            loglevel = max(loglevel, logging.INFO)
 
-        self._factor_update_steps = factor_update_steps
-        self._inv_update_steps = inv_update_steps
-        self._damping = damping
-        self._factor_decay = factor_decay
-        self._kl_clip = kl_clip
-        self._lr = lr
+        defaults = dict(
+            damping=damping,
+            factor_decay=factor_decay,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            kl_clip=kl_clip,
+            lr=lr,
+            step=0,
+        )
+        # No parameters of its own: a placeholder, as torch.optim needs one.
+        super().__init__([torch.zeros(())], defaults)
+        self._takes_step: dict[str, tuple[Callable, bool]] = {}
         self.accumulation_steps = accumulation_steps
         self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
         self.assignment_strategy = assignment_strategy
@@ -346,8 +413,9 @@ class KFAC:
         self.inv_dtype = inv_dtype
         self.skip_layers = list(skip_layers or [])
         self.update_factors_in_hook = update_factors_in_hook
+        self.verbose = verbose
         self.loglevel = loglevel
-        self._steps = 0
+        self.world_size_invariant = world_size_invariant
         self._loss_scale: float | None = None  # cached for the step (AMP)
         self._warned_accumulation = False
 
@@ -355,10 +423,9 @@ class KFAC:
             bucket_cap_mb=allreduce_bucket_cap_mb, symmetry_aware=symmetry_aware
         )
         world = self.communicator.world_size
-        if isinstance(grad_worker_fraction, numbers.Real) and grad_worker_fraction == 0:
-            grad_worker_fraction = 1.0 / world
-        self.grad_worker_fraction = grad_worker_fraction
         self.grid = WorkerGrid(world, _grad_workers(grad_worker_fraction, world))
+        # KAISA's attributes: the fraction as a number, and the strategy it is.
+        self.grad_worker_fraction = self.grid.grad_workers / world
         if self.grid.grad_workers == world:
             self.distributed_strategy = DistributedStrategy.COMM_OPT
         elif self.grid.grad_workers == 1:
@@ -444,9 +511,23 @@ class KFAC:
             handle.remove()
         self._hooks = []
 
-    # -- hyperparameters (callables are evaluated at the current step) --
-    def _value(self, value):
-        return value(self._steps) if callable(value) else value
+    # -- hyperparameters: param_groups[0], callables evaluated at the step --
+    def _value(self, name: str):
+        value = self.param_groups[0][name]
+        if not callable(value):
+            return value
+        cached = self._takes_step.get(name)
+        if cached is None or cached[0] is not value:
+            cached = self._takes_step[name] = (value, _takes_step(value))
+        return value(self._steps) if cached[1] else value()
+
+    @property
+    def _steps(self) -> int:
+        return self.param_groups[0]["step"]
+
+    @_steps.setter
+    def _steps(self, value: int) -> None:
+        self.param_groups[0]["step"] = value
 
     @property
     def steps(self) -> int:
@@ -455,38 +536,35 @@ class KFAC:
 
     @property
     def factor_update_steps(self) -> int:
-        return int(self._value(self._factor_update_steps))
+        return int(self._value("factor_update_steps"))
 
     @property
     def inv_update_steps(self) -> int:
-        return int(self._value(self._inv_update_steps))
+        return int(self._value("inv_update_steps"))
 
     @property
     def damping(self) -> float:
-        return float(self._value(self._damping))
+        return float(self._value("damping"))
 
     @property
     def factor_decay(self) -> float:
-        return float(self._value(self._factor_decay))
+        return float(self._value("factor_decay"))
 
     @property
     def kl_clip(self) -> float | None:
-        return None if self._kl_clip is None else float(self._value(self._kl_clip))
+        value = self._value("kl_clip")
+        return None if value is None else float(value)
 
     @property
     def lr(self) -> float:
-        return float(self._value(self._lr))
+        return float(self._value("lr"))
 
     def __repr__(self) -> str:
+        group = self.param_groups[0]
         fields = {
             "layers": len(self.layers),
             "steps": self._steps,
-            "factor_update_steps": self._factor_update_steps,
-            "inv_update_steps": self._inv_update_steps,
-            "damping": self._damping,
-            "factor_decay": self._factor_decay,
-            "kl_clip": self._kl_clip,
-            "lr": self._lr,
+            **{name: group[name] for name in _GROUP_HYPERPARAMETERS},
             "compute_method": self.compute_method.name,
             "distributed_strategy": self.distributed_strategy.name,
             "grid": f"{self.grid.grad_workers}x{self.grid.columns}",
@@ -525,20 +603,29 @@ class KFAC:
             else:
                 scale = float(scaler())
             self._loss_scale = scale
-        # g of the global loss: unscaled (AMP) and divided by the data-parallel size.
-        divisor = self._loss_scale * self.communicator.world_size
+        # g of the global loss: unscaled (AMP) and divided by the data-parallel size
+        # (KAISA's g, of the rank's own loss, with world_size_invariant=False).
+        divisor = self._loss_scale
+        if self.world_size_invariant:
+            divisor *= self.communicator.world_size
         with torch.no_grad(), torch.autocast(grad.device.type, enabled=False):
             g = grad.detach().to(self._dtype(layer))
             layer.add_g(output_grad_covariance(layer.module, g, divisor))
 
     # -- step --
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Preconditions the gradients of the registered layers in place.
 
         Call after the backward pass(es) (and, under AMP, ``scaler.unscale_``),
         before ``optimizer.step()``. Gradients must already be averaged over ranks.
+        ``closure`` (torch.optim's convention), if given, is called first, with
+        gradients enabled, and its value returned.
         """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if self._steps % self.factor_update_steps == 0:
             with record_function("precond/kfac/update_factors"):
                 self._update_factors()
@@ -549,6 +636,7 @@ class KFAC:
             self._precondition()
         self._steps += 1
         self._loss_scale = None
+        return loss
 
     def _update_factors(self) -> None:
         """All-reduce this step's contributions (mean over the contributing ranks)
@@ -812,7 +900,7 @@ class KFAC:
         """
         state: dict[str, Any] = {"steps": self._steps}
         for name in self._HYPERPARAMETERS:
-            value = getattr(self, "_" + name)
+            value = self.param_groups[0][name]
             if not callable(value):
                 state[name] = value
         if include_factors:
@@ -883,6 +971,39 @@ class KFAC:
                 self._check_tensor(entry, held[key], shape)
         return complete
 
+    def _from_kaisa_format(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """A KAISA 0.4 state dict (torch.optim's ``param_groups`` holding the step
+        count and the hyperparameters, ``layers`` a list of ``{"A", "G"}`` in
+        registration order) as the dict :meth:`state_dict` returns."""
+        groups = state_dict["param_groups"]
+        if not isinstance(groups, Sequence) or len(groups) != 1:
+            raise self._mismatch("'param_groups'", "is not a list of one group")
+        group = groups[0]
+        converted: dict[str, Any] = {"steps": group.get("step", 0)}
+        for name in self._HYPERPARAMETERS:
+            if name in group and not callable(group[name]):
+                converted[name] = group[name]
+        layers = state_dict.get("layers")
+        if layers is None:
+            return converted
+        if isinstance(layers, Mapping):
+            converted["layers"] = layers
+            return converted
+        if not isinstance(layers, Sequence) or len(layers) != len(self.layers):
+            count = len(layers) if isinstance(layers, Sequence) else layers
+            raise ValueError(
+                f"K-FAC state_dict does not match the registered layers: it has "
+                f"{count} layers, K-FAC registered {len(self.layers)}"
+            )
+        converted["layers"] = {}
+        for layer, saved in zip(self.layers, layers, strict=True):
+            if not isinstance(saved, Mapping):
+                raise self._mismatch(f"layer {layer.name!r}", "is not a dict")
+            converted["layers"][layer.name] = {
+                attr: saved.get(attr, saved.get(f"{attr}_factor")) for attr in "AG"
+            }
+        return converted
+
     def load_state_dict(
         self, state_dict: dict[str, Any], compute_inverses: bool = True
     ) -> None:
@@ -915,6 +1036,8 @@ class KFAC:
                 f"Invalid state_dict of type {type(state_dict).__name__}: must be a "
                 "dict from KFAC.state_dict()"
             )
+        if "param_groups" in state_dict:
+            state_dict = self._from_kaisa_format(state_dict)
         check_int("steps", state_dict.get("steps"), low=0)
         checks = dict(_ARGUMENT_CHECKS)
         for name in self._HYPERPARAMETERS:
@@ -946,7 +1069,7 @@ class KFAC:
         self._steps = int(state_dict["steps"])
         for name in self._HYPERPARAMETERS:
             if name in state_dict:
-                setattr(self, "_" + name, state_dict[name])
+                self.param_groups[0][name] = state_dict[name]
         if layers is None:
             if compute_inverses:
                 warnings.warn(

@@ -48,12 +48,12 @@ class KFACParamScheduler:
         if self.update_freq_schedule:
             scheduled += ["factor_update_steps", "inv_update_steps"]
         for name in scheduled:
-            if callable(getattr(kfac, "_" + name)):
+            if callable(kfac.param_groups[0][name]):
                 raise ValueError(
                     f"Invalid kfac: its {name} is a callable; a KFACParamScheduler "
                     "cannot also schedule it"
                 )
-        self._base = {name: getattr(kfac, "_" + name) for name in scheduled}
+        self._base = {name: kfac.param_groups[0][name] for name in scheduled}
         self.current_step = start_step
         self._apply()
 
@@ -63,11 +63,11 @@ class KFACParamScheduler:
 
         if "damping" in self._base:
             factor = self.damping_alpha ** passed(self.damping_schedule)
-            self.kfac._damping = self._base["damping"] * factor
+            self.kfac.param_groups[0]["damping"] = self._base["damping"] * factor
         if "factor_update_steps" in self._base:
             factor = self.update_freq_alpha ** passed(self.update_freq_schedule)
             for name in ("factor_update_steps", "inv_update_steps"):
-                setattr(self.kfac, "_" + name, max(1, int(self._base[name] * factor)))
+                self.kfac.param_groups[0][name] = max(1, int(self._base[name] * factor))
 
     def step(self, step: int | None = None) -> None:
         """Advances the count by one (or sets it to ``step``) and applies it."""
