@@ -511,6 +511,12 @@ class KFAC(torch.optim.Optimizer):
             handle.remove()
         self._hooks = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        # All of it: torch.optim's keeps only defaults, state and param_groups,
+        # so copy.deepcopy of a model (whose hooks hold this object) would lose
+        # the layers.
+        return self.__dict__.copy()
+
     # -- hyperparameters: param_groups[0], callables evaluated at the step --
     def _value(self, name: str):
         value = self.param_groups[0][name]
