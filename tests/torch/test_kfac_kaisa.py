@@ -12,6 +12,8 @@ correctness are in test_kfac.py.
 from __future__ import annotations
 
 import logging
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from precond.torch.kfac import (
     DistributedStrategy,
     KFACParamScheduler,
 )
+from tests.torch.test_kron_distributed import init_gloo, spawn
 
 
 class TinyModel(nn.Module):
@@ -325,3 +328,45 @@ def test_param_scheduler_state_dict_round_trip():
         2,
         4,
     )
+
+
+# -- world_size_invariant=False: KAISA's factors under data parallelism ---------
+
+
+def factor_worker(rank, world_size, init_file, out_dir):
+    """One rank: one step of K-FAC on its half of a batch of 16 under DDP (float64),
+    with world_size_invariant True and False; writes the first folds of A and G."""
+    out = Path(out_dir)
+    try:
+        init_gloo(rank, world_size, init_file)
+        ((x, y),) = data(1)
+        x, y = torch.cat([x, -x]).double(), torch.cat([y, y])
+        shard = slice(rank * 16 // world_size, (rank + 1) * 16 // world_size)
+        found = {}
+        for invariant in (True, False):
+            model = torch.nn.parallel.DistributedDataParallel(TinyModel().double())
+            pre = KFAC(model, factor_decay=0.5, world_size_invariant=invariant)
+            F.cross_entropy(model(x[shard]), y[shard]).backward()
+            pre.step()
+            found[invariant] = {l.name: (l.A, l.G) for l in pre.layers}
+        torch.save(found, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_kaisas_factor_scaling_under_data_parallelism(tmp_path):
+    """With 2 ranks, KAISA's G (g of each rank's own mean loss) is 2² times the G
+    of the global loss that precond uses by default; A is the same, and in one
+    process both are the same run."""
+    error = spawn(factor_worker, (2, tmp_path / "init", tmp_path), 2, tmp_path)
+    assert error is None, error
+    found = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    for name, (a, g) in found[True].items():
+        kaisa_a, kaisa_g = found[False][name]
+        torch.testing.assert_close(kaisa_a, a, rtol=1e-12, atol=0)
+        eye = torch.eye(len(g), dtype=g.dtype)
+        g_batch = 2 * g - eye  # first fold: (I + G_batch) / 2
+        kaisa_g_batch = 2 * kaisa_g - eye
+        torch.testing.assert_close(kaisa_g_batch, 4 * g_batch, rtol=1e-9, atol=1e-15)
+        assert g_batch.abs().max() > 1e-6
