@@ -542,7 +542,7 @@ def test_naming_an_unsupported_layer_is_refused(layers, message):
         (dict(colocate_factors=False), r"Invalid colocate_factors=False"),
         (
             dict(skip_layers=["fc", 3]),
-            r"Invalid skip_layers=\['fc', 3\]: must be a list",
+            r"Invalid skip_layers=\['fc', 3\]: must be a str or a list of str",
         ),
         (dict(unknown=1), r"unexpected keyword argument 'unknown'"),
     ],
@@ -777,6 +777,7 @@ BAD_ARGUMENTS = [
     ("compute_eigenvalue_outer_product", "no"),
     ("grad_worker_fraction", True),
     ("grad_worker_fraction", -0.5),
+    ("grad_worker_fraction", ComputeMethod.EIGEN),
     ("symmetry_aware", "yes"),
     ("grad_scaler", "scaler"),
     ("factor_dtype", "float32"),

@@ -192,8 +192,13 @@ def _check_choice(enum_type: type[enum.Enum]) -> Callable[[str, Any], None]:
 
 
 def _check_grad_worker_fraction(name: str, value: Any) -> None:
-    if not isinstance(value, DistributedStrategy):
-        check_real(name, value, low=0.0, high=1.0)
+    if isinstance(value, DistributedStrategy):
+        return
+    if isinstance(value, enum.Enum):  # e.g. another library's enum
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be a DistributedStrategy or a number"
+        )
+    check_real(name, value, low=0.0, high=1.0)
 
 
 def _check_grad_scaler(name: str, value: Any) -> None:
@@ -221,11 +226,12 @@ def _check_patterns(name: str, value: Any) -> None:
         return
     if name == "skip_layers" and isinstance(value, str):
         value = [value]  # KAISA takes one name as a str
+    kind = "a str or a list of str" if name == "skip_layers" else "a list of str"
     if isinstance(value, str) or not isinstance(value, Sequence | set):
-        raise TypeError(f"Invalid {name}={value!r}: must be a list of str")
+        raise TypeError(f"Invalid {name}={value!r}: must be {kind}")
     for pattern in value:
         if not isinstance(pattern, str):
-            raise TypeError(f"Invalid {name}={value!r}: must be a list of str")
+            raise TypeError(f"Invalid {name}={value!r}: must be {kind}")
         if name == "skip_layers":
             try:
                 re.compile(pattern)
