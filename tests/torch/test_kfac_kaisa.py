@@ -370,3 +370,27 @@ def test_kaisas_factor_scaling_under_data_parallelism(tmp_path):
         kaisa_g_batch = 2 * kaisa_g - eye
         torch.testing.assert_close(kaisa_g_batch, 4 * g_batch, rtol=1e-9, atol=1e-15)
         assert g_batch.abs().max() > 1e-6
+
+
+def test_step_takes_torch_optims_closure():
+    """``step(closure)`` runs the closure (forward and backward) first, returns its
+    loss, and then preconditions: the same run as the backward outside."""
+    ((x, y),) = data(1)
+    model, other = TinyModel(), TinyModel()
+    pre, pre_other = KFAC(model), KFAC(other)
+
+    def closure():
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    loss = pre.step(closure)
+    other.zero_grad()
+    expected = F.cross_entropy(other(x), y)
+    expected.backward()
+    assert pre_other.step() is None
+    assert torch.equal(loss, expected)
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert pre.steps == 1

@@ -35,7 +35,8 @@ Data parallelism: the gradients must be averaged over ranks (DDP does this), so
 the loss being minimised is the mean of the ranks' losses and the output gradient
 of the global loss is g/W. The hooks use g/W, so the factors (and every step) are
 those of one process on the global batch: K-FAC does not change with the number of
-ranks (KAISA's G grows with W², which changes what a given damping means).
+ranks (KAISA's G grows with W², which changes what a given damping means;
+``world_size_invariant=False`` gives KAISA's factors).
 """
 
 from __future__ import annotations
