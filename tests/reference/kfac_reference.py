@@ -90,3 +90,79 @@ def kl_clip_scale(preconditioned, grads, lr, kl_clip):
     total = abs(sum(float(np.sum(p * g)) for p, g in zip(preconditioned, grads)))
     total *= lr**2
     return 1.0 if total == 0 else min(1.0, np.sqrt(kl_clip / total))
+
+
+# -- a whole K-FAC run (KAISA's step), for trajectory tests ------------------------
+
+
+def layer_factors(kind, x, grad_out, bias, conv=None):
+    """(A_batch, G_batch) of one layer from its input and output gradient.
+
+    ``kind`` is 'linear' (leading axes are rows) or 'conv' (``conv`` = (kernel,
+    stride, padding (top, bottom, left, right), dilation))."""
+    x = np.asarray(x, dtype=np.float64)
+    grad_out = np.asarray(grad_out, dtype=np.float64)
+    if kind == "conv":
+        return conv_factors(x, grad_out, *conv, bias)
+    rows = with_bias_column(x.reshape(-1, x.shape[-1]), bias)
+    return second_moment(rows), second_moment(grad_out.reshape(-1, grad_out.shape[-1]))
+
+
+class KFACRun:
+    """K-FAC as KAISA steps it, densely, for a list of layers.
+
+    At step t (0-based count of ``step`` calls):
+
+    1. if t % factor_update_steps == 0: F ← α F + (1 − α) F_batch for F = A, G,
+       starting from F = I;
+    2. if t % inv_update_steps == 0: remember A, G (and, with ``prediv``, the
+       damping) as the layer's preconditioner;
+    3. P = (G ⊗ A + λI)⁻¹ vec ∇ (eigen) or (G + λI)⁻¹ ∇ (A + λI)⁻¹ (inverse)
+       with the remembered factors; λ is the damping of step 2 for the inverses
+       and for eigen with ``prediv`` (both are computed there), the current one
+       for eigen without;
+    4. ν = min(1, √(κ / |Σ lr² ⟨P, ∇⟩|)) (no clip for κ = None); returns ν·P.
+    """
+
+    def __init__(self, count, method, prediv=True):
+        self.method, self.prediv = method, prediv
+        self.A = [None] * count
+        self.G = [None] * count
+        self.held = [None] * count
+        self.steps = 0
+        self.nus = []
+
+    def step(
+        self,
+        batches,
+        grads,
+        *,
+        factor_update_steps,
+        inv_update_steps,
+        damping,
+        factor_decay,
+        kl_clip,
+        lr,
+    ):
+        """``batches``: per layer (A_batch, G_batch) (used on factor steps);
+        ``grads``: per layer the (out, in [+1]) gradient matrix."""
+        t = self.steps
+        if t % factor_update_steps == 0:
+            for i, (a, g) in enumerate(batches):
+                for factors, new in ((self.A, a), (self.G, g)):
+                    old = np.eye(len(new)) if factors[i] is None else factors[i]
+                    factors[i] = factor_decay * old + (1 - factor_decay) * new
+        if t % inv_update_steps == 0:
+            self.held = [(a.copy(), g.copy(), damping) for a, g in zip(self.A, self.G)]
+        out = []
+        for (a, g, held_damping), grad in zip(self.held, grads):
+            grad = np.asarray(grad, dtype=np.float64)
+            if self.method == "eigen":
+                lam = held_damping if self.prediv else damping
+                out.append(eigen_preconditioned(grad, a, g, lam))
+            else:
+                out.append(inverse_preconditioned(grad, a, g, held_damping))
+        nu = 1.0 if kl_clip is None else kl_clip_scale(out, grads, lr, kl_clip)
+        self.nus.append(nu)
+        self.steps += 1
+        return [nu * p for p in out]
