@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from precond._common.validation import check_real, is_concrete_number
 from precond.jax._kron_math import conj
@@ -55,23 +56,72 @@ def newton_arguments(updates: Any, extra_args: dict) -> dict | None:
     return given
 
 
-def hessian_helper(
-    key: jax.Array,
-    loss_fn: Callable,
-    params: Any,
-    loss_fn_extra_args: tuple = (),
-    has_aux: bool = False,
-    preconditioner_update_probability: float = 1.0,
-    *,
-    train_step: jax.Array | int | None = None,
-) -> tuple[Any, Any, Any, Any, jax.Array]:
+_HELPER_PARAMETERS = (
+    "key",
+    "train_step",
+    "loss_fn",
+    "params",
+    "loss_fn_extra_args",
+    "has_aux",
+    "preconditioner_update_probability",
+)
+_HELPER_DEFAULTS = {
+    "loss_fn_extra_args": (),
+    "has_aux": False,
+    "preconditioner_update_probability": 1.0,
+}
+
+
+def _bind_helper_arguments(args: tuple, kwargs: dict) -> dict:
+    """psgd-jax's ``(key, train_step, loss_fn, params, ...)``, or, when the second
+    positional argument is the loss function (psgd-jax's README and precond's
+    older form), ``(key, loss_fn, params, ...)`` with an optional ``train_step``
+    keyword."""
+    names = list(_HELPER_PARAMETERS)
+    if len(args) >= 2 and callable(args[1]):
+        names.remove("train_step")
+    if len(args) > len(names):
+        raise TypeError(
+            f"hessian_helper() takes at most {len(names)} positional arguments "
+            f"({len(args)} given)"
+        )
+    bound = dict(zip(names, args, strict=False))
+    for name, value in kwargs.items():
+        if name not in _HELPER_PARAMETERS:
+            raise TypeError(
+                f"hessian_helper() got an unexpected keyword argument {name!r}"
+            )
+        if name in bound:
+            raise TypeError(
+                f"hessian_helper() got multiple values for argument {name!r}"
+            )
+        bound[name] = value
+    for name, default in _HELPER_DEFAULTS.items():
+        bound.setdefault(name, default)
+    bound.setdefault("train_step", None)
+    missing = [name for name in ("key", "loss_fn", "params") if name not in bound]
+    if missing:
+        raise TypeError(f"hessian_helper() missing required arguments: {missing}")
+    return bound
+
+
+def hessian_helper(*args, **kwargs) -> tuple[Any, Any, Any, Any, jax.Array]:
     """Loss, gradients and, on preconditioner-update steps, a Hessian-vector product.
 
-    With v ~ N(0, I) (one draw per parameter), g(θ) = ∇L(θ) and h = H·v = ∂g/∂θ·v,
-    g and h come from one forward-over-reverse ``jax.jvp`` of g. With probability
-    1 − ``preconditioner_update_probability`` (and always for a concrete 0) the
-    step does not update the preconditioner: a ``lax.cond`` computes only the loss
-    and g, and h is zeros.
+    Called as psgd-jax's ``hessian_helper(key, train_step, loss_fn, params,
+    loss_fn_extra_args=(), has_aux=False, preconditioner_update_probability=1.0)``
+    (its signature, which ``inspect.signature`` reports); ``(key, loss_fn,
+    params, ...)`` without ``train_step`` (or with it as a keyword) works too.
+
+    With v ~ N(0, I) drawn like the parameters (``optax.tree.random_like``),
+    g(θ) = ∇L(θ) and h = H·v = ∂g/∂θ·v, g and h come from one forward-over-reverse
+    ``jax.jvp`` of g. The key is split as psgd-jax splits it (v from the first
+    half, the decision from the second), so the same key gives psgd-jax's v and
+    decision. The step updates the preconditioner with probability
+    ``preconditioner_update_probability``, and always while ``train_step`` < 2;
+    otherwise a ``lax.cond`` computes only the loss and g, and h and v are zeros
+    (as psgd-jax returns them). Without ``train_step`` a concrete probability 0
+    traces no Hessian-vector product at all.
 
     Complex parameters: ``jax.grad`` of a real loss returns the conjugate of the
     descent direction (conj of 2∂L/∂z̄), and optax applies updates as p + u, so,
@@ -82,14 +132,14 @@ def hessian_helper(
 
     Args:
         key: PRNG key of this step (the update decision and v).
+        train_step: the step count (an int or int array): steps 0 and 1 always
+            update the preconditioner. May be omitted (see above).
         loss_fn: ``loss_fn(params, *loss_fn_extra_args)`` → loss, or (loss, aux)
             with ``has_aux``.
         params: the parameters θ.
         loss_fn_extra_args: further positional arguments of ``loss_fn``.
         has_aux: ``loss_fn`` returns (loss, aux).
         preconditioner_update_probability: probability in [0, 1] of an update.
-        train_step: psgd-jax's step count: steps 0 and 1 always update. (psgd-jax
-            takes it as the second positional argument; here it is a keyword.)
 
     Returns:
         ``(loss_out, grads, hvp, vector, update_preconditioner)``, where
@@ -99,43 +149,60 @@ def hessian_helper(
 
     Example:
         >>> loss_out, grads, hvp, vector, update = hessian_helper(
-        ...     key, loss_fn, params)  # doctest: +SKIP
+        ...     key, step, loss_fn, params)  # doctest: +SKIP
     """
+    bound = _bind_helper_arguments(args, kwargs)
+    key, train_step = bound["key"], bound["train_step"]
+    loss_fn, params = bound["loss_fn"], bound["params"]
+    loss_fn_extra_args, has_aux = bound["loss_fn_extra_args"], bound["has_aux"]
+    preconditioner_update_probability = bound["preconditioner_update_probability"]
     check_real(
         "preconditioner_update_probability",
         preconditioner_update_probability,
         low=0.0,
         high=1.0,
     )
-    decision_key, vector_key = jax.random.split(key)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(vector_key, len(leaves))
-    vector = treedef.unflatten(
-        [
-            jax.random.normal(k, x.shape, x.dtype)
-            for k, x in zip(keys, leaves, strict=True)
-        ]
-    )
+    vector_key, decision_key = jax.random.split(key)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def zeros(params):
+        return jax.tree.map(jnp.zeros_like, params)
 
     def without_hvp(params):
         loss_out, grads = value_and_grad(params, *loss_fn_extra_args)
-        return loss_out, jax.tree.map(conj, grads), jax.tree.map(jnp.zeros_like, params)
+        return loss_out, jax.tree.map(conj, grads), zeros(params), zeros(params)
 
     def with_hvp(params):
+        vector = optax.tree.random_like(vector_key, params, jax.random.normal)
         (loss_out, grads), (_, hvp) = jax.jvp(
             lambda p: value_and_grad(p, *loss_fn_extra_args), (params,), (vector,)
         )
-        return loss_out, jax.tree.map(conj, grads), jax.tree.map(conj, hvp)
+        return loss_out, jax.tree.map(conj, grads), jax.tree.map(conj, hvp), vector
 
     never = train_step is None and (
         is_concrete_number(preconditioner_update_probability)
         and preconditioner_update_probability == 0
     )
     if never:
-        return (*without_hvp(params), vector, jnp.asarray(False))
+        return (*without_hvp(params), jnp.asarray(False))
     update = jax.random.uniform(decision_key) < preconditioner_update_probability
     if train_step is not None:
         update = update | (jnp.asarray(train_step) < 2)
-    loss_out, grads, hvp = jax.lax.cond(update, with_hvp, without_hvp, params)
+    loss_out, grads, hvp, vector = jax.lax.cond(update, with_hvp, without_hvp, params)
     return loss_out, grads, hvp, vector, update
+
+
+hessian_helper.__signature__ = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for name in _HELPER_PARAMETERS[:4]
+    ]
+    + [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=_HELPER_DEFAULTS[name],
+        )
+        for name in _HELPER_PARAMETERS[4:]
+    ]
+)
