@@ -24,8 +24,26 @@ import torch
 
 from precond._common.factor_plan import merge_dims, plan_diagonal_axes
 from precond.jax import precond_update_prob_schedule as jax_schedule
-from precond.torch import Kron, precond_update_prob_schedule
+from precond.torch import Kron as _Kron
 from precond.torch import kron as kron_module
+from precond.torch import precond_update_prob_schedule
+
+# The rules precond used before kron-torch 0.1.0's became Kron's defaults (issue
+# 18): RMS update clipping with decoupled weight decay, damping noise in the fit,
+# no skew rule, diagonal vectors, float32 factors. These tests were written for
+# them (and compare with precond.jax.kron, which has them), so they pass them.
+PRECOND_RULES = dict(
+    update_clipping="rms",
+    damping=True,
+    max_skew_triangular=float("inf"),
+    min_ndim_triangular=2,
+    precond_dtype=torch.float32,
+)
+
+
+def Kron(params, **kwargs):
+    return _Kron(params, **{**PRECOND_RULES, **kwargs})
+
 
 STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = (
     kron_module.STEP,
@@ -547,7 +565,7 @@ def test_mismatched_state_dict_is_refused_at_load(target, edit, message):
 def test_every_argument_is_validated_and_has_a_bad_case():
     """The validation table names every constructor argument but the
     optimizer-wide ones, and BAD_ARGUMENTS exercises every argument."""
-    names = set(inspect.signature(Kron).parameters) - {"params"}
+    names = set(inspect.signature(_Kron).parameters) - {"params"}
     table = {name for name, _ in kron_module.GROUP_ARGUMENTS}
     assert names == table | {"seed", "strategy", "compile_kernels"}
     covered = {name for kwargs, *_ in BAD_ARGUMENTS for name in kwargs}
@@ -558,6 +576,24 @@ def test_every_argument_is_validated_and_has_a_bad_case():
 
 BAD_ARGUMENTS = [
     (dict(lr=-1), ValueError, r"Invalid lr=-1: must be >= 0"),
+    (
+        dict(lr=torch.tensor([1e-3, 1e-3])),
+        ValueError,
+        r"Invalid lr=tensor\(\[0.0010, 0.0010\]\): a tensor lr must be a one-element",
+    ),
+    (dict(lr=torch.tensor(-1.0)), ValueError, r"Invalid lr=-1.0: must be >= 0"),
+    (dict(merge_dims=1), TypeError, r"Invalid merge_dims=1: must be True or False"),
+    (
+        dict(update_clipping="global"),
+        ValueError,
+        r"Invalid update_clipping='global': must be one of 'norm_and_value', 'rms'",
+    ),
+    (
+        dict(store_debiased_momentum="yes"),
+        TypeError,
+        r"Invalid store_debiased_momentum='yes': must be True or False",
+    ),
+    (dict(damping=None), TypeError, r"Invalid damping=None: must be True or False"),
     (dict(lr=float("nan")), ValueError, r"Invalid lr=nan: must be finite"),
     (dict(b1=1.0), ValueError, r"Invalid b1=1.0: must be in \[0.0, 1.0\)"),
     (dict(b1=-0.1), ValueError, r"Invalid b1=-0.1: must be in \[0.0, 1.0\)"),
@@ -899,9 +935,10 @@ def test_fit_that_overflows_keeps_the_old_factors(style):
 
 # --- the update-probability schedule -------------------------------------------
 
+# flat_start=500: precond.jax's default (torch's is kron-torch 0.1.0's 200).
 SCHEDULES = [
-    {},
-    dict(max_prob=0.5),
+    dict(flat_start=500),
+    dict(max_prob=0.5, flat_start=500),
     dict(min_prob=0.05, decay=0.002, flat_start=1000),
     dict(max_prob=0.9, min_prob=0.1, decay=0.01, flat_start=0),
 ]
@@ -919,13 +956,13 @@ def _update_steps(probabilities):
 
 @pytest.mark.parametrize("kwargs", SCHEDULES, ids=str)
 def test_schedule_matches_jax_and_fits_at_the_same_steps(kwargs):
-    """float32 values within 2 ulp of precond.jax's at steps 1..5000, equal on the
-    flat start and the floor, and the factor updates happen at the same steps.
+    """float32 values within 2 ulp of precond.jax's at steps 1..5000 (with the
+    same flat start), equal on the flat start and the floor, and the factor
+    updates happen at the same steps.
 
-    Not bit-equal: NumPy's float32 exp is off by up to 2 ulp from the correctly
-    rounded value on these arguments, XLA's by up to 1; they differ in ~27% of the
-    annealed steps. A step fits the factors when counter >= 1/p, which an ulp of p
-    changes only if 1/p sits on an integer, so the decisions agree."""
+    Not bit-equal: torch's and XLA's float32 exp round differently on some of
+    these arguments. A step fits the factors when counter >= 1/p, which an ulp
+    of p changes only if 1/p sits on an integer, so the decisions agree."""
     n = np.arange(1, 5001)
     with jax.enable_x64(False):
         want = np.asarray(jax.jit(jax.vmap(jax_schedule(**kwargs)))(jnp.asarray(n)))
@@ -1038,16 +1075,19 @@ def test_structure_examples_from_the_documentation():
 @pytest.mark.parametrize(
     ("param_dtype", "precond_dtype", "factor_dtype"),
     [
+        # None: the parameter's dtype, as kron-torch 0.1.0.
         (torch.float32, None, torch.float32),
-        (torch.bfloat16, None, torch.float32),
-        (torch.float64, None, torch.float32),
+        (torch.bfloat16, None, torch.bfloat16),
+        (torch.float64, None, torch.float64),
+        (torch.float32, torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32, torch.float32),
         (torch.float32, torch.bfloat16, torch.bfloat16),
         (torch.float32, torch.float64, torch.float64),
     ],
 )
 def test_factor_and_momentum_dtypes(param_dtype, precond_dtype, factor_dtype):
     p = make_params([(4, 3)], dtype=param_dtype)[0]
-    optimizer = Kron([p], precond_dtype=precond_dtype)
+    optimizer = _Kron([p], precond_dtype=precond_dtype)
     for _ in range(3):
         p.grad = torch.randn_like(p)
         optimizer.step()

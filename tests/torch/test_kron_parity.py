@@ -33,12 +33,29 @@ import torch
 from precond._common.factor_plan import merge_dims
 from precond.jax import _kron_math as jkm
 from precond.jax import kron as jax_kron
-from precond.torch import Kron
+from precond.torch import Kron as _Kron
 from precond.torch import _kron_math as tkm
 from precond.torch import kron as torch_kron_module
 from tests.jax.helpers import kron_module as jax_kron_module
 from tests.jax.helpers import seed_that_balances_at_step
 from tests.reference import kron_reference as ref
+
+# The rules precond used before kron-torch 0.1.0's became Kron's defaults (issue
+# 18): RMS update clipping with decoupled weight decay, damping noise in the fit,
+# no skew rule, diagonal vectors, float32 factors. These tests were written for
+# them (and compare with precond.jax.kron, which has them), so they pass them.
+PRECOND_RULES = dict(
+    update_clipping="rms",
+    damping=True,
+    max_skew_triangular=float("inf"),
+    min_ndim_triangular=2,
+    precond_dtype=torch.float32,
+)
+
+
+def Kron(params, **kwargs):
+    return _Kron(params, **{**PRECOND_RULES, **kwargs})
+
 
 # Frameworks and references differ only by float64 rounding of O(1) quantities.
 RTOL = 1e-12
@@ -383,16 +400,25 @@ def test_three_steps_match_jax_kron(monkeypatch, config_name):
         lr=0.1,
         precond_lr=precond_lr,
         precond_dtype=torch.float64,
-        **common,
+        merge_small_dims=common.get("merge_small_dims", False),
+        **{k: v for k, v in common.items() if k != "merge_small_dims"},
     )
     for step_grads in grads:
         for p, k in zip(torch_params, PARAM_SHAPES, strict=True):
             p.grad = torch.tensor(step_grads[k])
         optimizer.step()
 
+    # precond.jax.kron's own merging and blocking defaults are distributed-kron's;
+    # Kron has neither unless asked: both are given explicitly.
+    jax_layout = dict(
+        merge_small_dims=common.pop("merge_small_dims", False),
+        target_merged_dim_size=2048,
+        partition_grads_into_blocks=False,
+    )
     tx = jax_kron(
         learning_rate=0.1,
         preconditioner_lr=precond_lr,
+        **jax_layout,
         precond_dtype=jnp.float64,
         precond_update_precision=None,
         precond_grads_precision=None,

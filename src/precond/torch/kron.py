@@ -41,6 +41,8 @@ MAX_UPDATE_RMS = 1.1
 BALANCE_PROBABILITY = 0.01
 # Keys of self.state[p].
 STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
+# Key of kron-torch 0.1.0's param groups holding the momenta (loaded, not kept).
+KRON_TORCH_MOMENTA = "momentum_buffer"
 LIPSCHITZ = "lipschitz"  # generation-2 styles: per axis, a float32 scalar
 # Layouts of a triangular factor's state: Q with P = QᵀQ packed into one (d + 1, d)
 # array, Q and P stacked (2, d, d), or Q alone (d, d); as precond.jax.kron.
@@ -51,18 +53,24 @@ def precond_update_prob_schedule(
     max_prob: float = 1.0,
     min_prob: float = 0.03,
     decay: float = 0.001,
-    flat_start: float = 500,
+    flat_start: float = 200,
 ) -> Callable[[int], float]:
     """p(n) = clip(max_prob·exp(−decay·(n − flat_start)), min_prob, max_prob) for
-    the 1-based step n, in float32 like :func:`precond.jax.precond_update_prob_schedule`
-    (within 2 ulp of it: NumPy's and XLA's exp round differently), so both
-    frameworks update the preconditioner at the same steps (checked to 20000)."""
+    the 1-based step n, in torch float32 arithmetic.
+
+    The defaults are kron-torch 0.1.0's (p = 1 for 200 steps, then an anneal to
+    0.03), and so are the values, bit for bit. With ``flat_start=500`` it is
+    :func:`precond.jax.precond_update_prob_schedule` within 2 ulp (torch's and
+    XLA's float32 exp round differently), so both frameworks update the
+    preconditioner at the same steps (checked to 5000)."""
     check_update_prob_schedule(max_prob, min_prob, decay, flat_start)
+    low = torch.tensor(min_prob, dtype=torch.float32)
+    high = torch.tensor(max_prob, dtype=torch.float32)
 
     def schedule(n: int) -> float:
-        exponent = np.float32(-decay) * (np.float32(n) - np.float32(flat_start))
-        prob = np.float32(max_prob) * np.exp(exponent, dtype=np.float32)
-        return float(np.clip(prob, np.float32(min_prob), np.float32(max_prob)))
+        exponent = -decay * (torch.tensor(n, dtype=torch.float32) - flat_start)
+        prob = torch.minimum(torch.maximum(max_prob * torch.exp(exponent), low), high)
+        return prob.item()
 
     return schedule
 
@@ -70,22 +78,51 @@ def precond_update_prob_schedule(
 _DEFAULT_SCHEDULE = precond_update_prob_schedule()
 
 
+# memory_save_mode values: precond's plan's, plus kron-torch 0.3.3's 'smart_one_diag'.
+TORCH_MEMORY_SAVE_MODES = (*MEMORY_SAVE_MODES, "smart_one_diag")
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """kron-torch 0.3.3's ``merge_dims``: a tensor of 3+ dims is preconditioned as
+    the matrix (d_1⋯d_{k−1}, d_k) or (d_1, d_2⋯d_k), whichever is less skewed
+    (the first on a tie); others keep their shape."""
+    if len(shape) <= 2:
+        return shape
+    rows_first = (math.prod(shape[:-1]), shape[-1])
+    cols_first = (shape[0], math.prod(shape[1:]))
+    if rows_first[1] - rows_first[0] <= cols_first[1] - cols_first[0]:
+        return rows_first
+    return cols_first
+
+
 def _plan(
     shape: tuple[int, ...], group: dict[str, Any]
 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """(merged shape, diagonal per axis) of a parameter, as precond.jax.kron plans
-    it (scalars become (1,)), plus kron-torch's ``max_skew_triangular`` rule."""
+    """(preconditioned shape, diagonal per axis) of a parameter (scalars become
+    (1,)). An axis is diagonal when its size is 1 or above
+    ``max_size_triangular``, when the tensor has fewer than
+    ``min_ndim_triangular`` dims, when ``memory_save_mode`` picks it, or when it
+    is longer than ``max_skew_triangular`` times the second largest dim (1 for a
+    vector): kron-torch 0.1.0's skew rule."""
     shape = tuple(shape) or (1,)
+    if group["merge_dims"]:
+        shape = _matrix_shape(shape)
+    mode = group["memory_save_mode"]
     diagonal = plan_diagonal_axes(
         shape,
         max_size_triangular=group["max_size_triangular"],
         min_ndim_triangular=group["min_ndim_triangular"],
-        memory_save_mode=group["memory_save_mode"],
+        memory_save_mode=None if mode == "smart_one_diag" else mode,
     )
-    numel = math.prod(shape)
+    if mode == "smart_one_diag" and len(shape) > 1:
+        ordered = sorted(shape)
+        if ordered[-1] > ordered[-2]:  # the largest axis, if strictly largest
+            largest = shape.index(ordered[-1])
+            diagonal = tuple(d or a == largest for a, d in enumerate(diagonal))
+    second_largest = sorted(shape)[-2] if len(shape) > 1 else 1
     skew = group["max_skew_triangular"]
     diagonal = tuple(
-        diag or (len(shape) > 1 and d > skew * (numel // d))
+        diag or d > skew * second_largest
         for d, diag in zip(shape, diagonal, strict=True)
     )
     if group["merge_small_dims"]:
@@ -159,16 +196,31 @@ def _factor_update(compile_kernels: bool) -> Callable:
 
 
 class Kron(torch.optim.Optimizer):
-    """PSGD Kron with kron-torch's arguments and defaults.
+    """PSGD Kron with kron-torch's arguments, defaults and behaviour.
 
-    Each step, with n the parameter's 1-based step count:
+    The positional arguments and their defaults are kron-torch 0.1.0's; the
+    arguments kron-torch 0.3.3 added come next, keyword-only, with defaults that
+    keep 0.1.0's behaviour (pass 0.3.3's values to get its rules); precond's own
+    options follow. Each step, per parameter, with n its 1-based step count:
 
     1. m ← β₁m + (1−β₁)g, m̂ = m / (1 − β₁ⁿ).
-    2. With probability p(n) (a deterministic counter: update when 1/p steps
-       have passed since the last update), fit the factors: with probability
-       0.01 balance their norms, draw V ~ N(0, I), and take one
-       ``update_factors`` step on (m̂ + 2^-11.5·mean|m̂|·V, V).
-    3. U = (⊗_i Q_iᵀQ_i)·m̂, U ← U / max(1, RMS(U)/1.1), θ ← θ − lr·(U + λθ).
+    2. With probability p(n), fit the factors: with probability 0.01 balance
+       their norms, draw V ~ N(0, I), and take one ``update_factors`` step on
+       (m̂, V) (plus 2^-11.5·mean|m̂|·V with ``damping=True``).
+    3. U = (⊗_i Q_iᴴQ_i)·m̂; then, by ``update_clipping``:
+       'norm_and_value' (kron-torch 0.1.0): per param group, the updates
+       U + λθ are scaled to a global norm of at most √(number of parameters)
+       and clamped to [−1, 1] elementwise, θ ← θ − lr·clip(U + λθ);
+       'rms' (kron-torch 0.3.3, precond.jax.kron): U ← U / max(1, RMS(U)/1.1)
+       per tensor and θ ← θ − lr·(U + λθ).
+
+    Where precond departs from kron-torch 0.1.0 on purpose, an argument turns
+    it back (docs/migrating/kron-torch.md lists them): draws come from a
+    generator seeded by (``seed``, n), so every rank and every restored run
+    draws the same, and the update decision is a counter (update when 1/p steps
+    have passed) — ``seed=None`` draws from torch's global generator in
+    kron-torch's order instead; the momentum buffer keeps m, where 0.1.0 stored
+    m̂ back into it (``store_debiased_momentum=True``).
 
     Non-finite and huge gradients, as :func:`precond.jax.kron`: a step in which
     some gradient's squared norm Σ|g|² is not finite in its working precision
@@ -180,38 +232,52 @@ class Kron(torch.optim.Optimizer):
     keeps the parameter's old factors; the step itself proceeds.
 
     Complex parameters are supported (Li's PSGD is defined for them): P =
-    ⊗ Q_iᴴQ_i is Hermitian, the factors are complex (complex64, or complex128
-    for float64/complex128 factors) with real positive diagonals, and
-    V ~ CN(0, I), in every update style and cache layout. Integer parameters
-    are refused. ``None`` gradients are skipped; sparse gradients
-    are refused.
+    ⊗ Q_iᴴQ_i is Hermitian, the factors are complex with real positive
+    diagonals, and V ~ CN(0, I), in every update style and cache layout.
+    Integer parameters are refused. ``None`` gradients are skipped; sparse
+    gradients are refused.
 
     Args:
         params: parameters or param groups (every argument below except
-            ``seed`` and ``strategy`` may be set per group).
-        lr: learning rate.
+            ``seed``, ``strategy`` and ``compile_kernels`` may be set per group).
+        lr: learning rate (a float or a one-element tensor).
         b1: momentum β₁ in [0, 1).
-        weight_decay: decoupled weight decay λ (all parameters).
-        preconditioner_update_probability: a probability, a function of the
-            step n, or None for :func:`precond_update_prob_schedule`'s default
-            (a function stored in a param group makes ``torch.save`` of the
-            state_dict fail unless it is picklable, e.g. defined at module level).
+        weight_decay: weight decay λ on every parameter (see ``update_clipping``
+            for where it enters).
+        preconditioner_update_probability: a probability in (0, 1], a function
+            of the step n, or None for :func:`precond_update_prob_schedule`'s
+            default (1 for 200 steps, then annealed to 0.03). A function stored
+            in a param group makes ``torch.save`` of the state_dict fail unless
+            it is picklable (e.g. defined at module level).
         max_size_triangular: axes longer than this get diagonal factors.
-        min_ndim_triangular: tensors with fewer dims get only diagonal factors.
-        memory_save_mode: None, 'one_diag' or 'all_diag'.
+        max_skew_triangular: an axis longer than this times the tensor's second
+            largest dim (1 for a vector) gets a diagonal factor: with the
+            default 10, biases longer than 10 and tall embeddings are diagonal.
+            ``float('inf')`` turns the rule off (precond.jax.kron's planning).
+        mu_dtype: momentum dtype (default: the parameter's).
+        precond_dtype: factor dtype (default: the parameter's, as kron-torch
+            0.1.0). The math runs in at least float32 whatever it is.
+        min_ndim_triangular: tensors with fewer dims get only diagonal factors
+            (default 1: none; kron-torch 0.3.3 uses 2).
+        memory_save_mode: None, 'one_diag' (the largest axis diagonal),
+            'smart_one_diag' (it, if strictly the largest) or 'all_diag'.
         momentum_into_precond_update: fit the factors to m̂ (True) or to g.
         precond_lr: step size of the factor updates.
         precond_init_scale: s, with initial factors Q_i = s^(1/k)·I on the k
-            axes, so P = s²·I (kron-torch's convention).
-        mu_dtype: momentum dtype (default: the parameter's).
-        precond_dtype: factor dtype (default float32); the math runs in at
-            least float32.
-        max_skew_triangular: an axis of a tensor with 2+ dims is diagonal when it
-            is longer than this times the product of the other dims (default
-            inf: off, as in precond.jax.kron).
+            axes, so P = s²·I.
+        merge_dims: kron-torch 0.3.3's merging: a tensor of 3+ dims is
+            preconditioned as a matrix (default False: as 0.1.0, every axis).
+        update_clipping: 'norm_and_value' (default, kron-torch 0.1.0) or 'rms'
+            (kron-torch 0.3.3 and precond.jax.kron), as in step 3 above.
+        store_debiased_momentum: store m̂ back into the momentum buffer, as
+            kron-torch 0.1.0 does (default False: the buffer keeps m, so the
+            bias correction does not compound from step to step).
+        damping: add 2^-11.5·mean|m̂|·V to m̂ before an 'EQ' fit, as
+            precond.jax.kron (default False, as kron-torch; 'QUAD' and 'PRO'
+            always damp, elementwise, as their rules define).
         merge_small_dims: precondition in the shape that merges adjacent axes
             (``precond._common.factor_plan.merge_dims``), as precond.jax.kron.
-        target_merged_dim_size: largest dim that merging may create.
+        target_merged_dim_size: largest dim that ``merge_small_dims`` creates.
         preconditioner_update_style: 'EQ' (the generation-1 rule above),
             'QUAD' or 'PRO' (generation-2 rules without triangular solves,
             ``_kron_math.update_factors_gen2``; Lipschitz estimates in the
@@ -224,8 +290,14 @@ class Kron(torch.optim.Optimizer):
             elementwise pass over each factor every step, which on a CPU can
             cost more than the matmul it saves). 'PRO', whose Q is not
             triangular, stores 'packed' as 'dense'.
-        seed: seed of the noise and of the balancing draws (per step: every
-            rank draws the same without communicating).
+        seed: an int seeds the noise and the balancing draws per step (every
+            rank draws the same without communicating; a restored run repeats
+            them) and the update decision is a deterministic counter. None:
+            kron-torch 0.1.0's draws from torch's global generator, in its
+            order (a Bernoulli update decision per group and step, always on
+            the first step; then per parameter V and, for 2+ dims, the
+            balancing draw), so ``torch.manual_seed`` reproduces kron-torch's
+            run. With several ranks, None needs the same global seed on each.
         strategy: how ranks share the work (:mod:`precond.torch.strategies`);
             default :class:`~precond.torch.strategies.Replicated`.
         compile_kernels: ``torch.compile`` the factor update (one compile per
@@ -244,25 +316,29 @@ class Kron(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 0.001,
+        lr: float | torch.Tensor = 0.001,
         b1: float = 0.9,
         weight_decay: float = 0.0,
         preconditioner_update_probability: float | Callable | None = None,
         max_size_triangular: int = 8192,
-        min_ndim_triangular: int = 2,
+        max_skew_triangular: float = 10,
+        mu_dtype: torch.dtype | None = None,
+        precond_dtype: torch.dtype | None = None,
+        *,
+        min_ndim_triangular: int = 1,
         memory_save_mode: str | None = None,
         momentum_into_precond_update: bool = True,
         precond_lr: float = 0.1,
         precond_init_scale: float = 1.0,
-        mu_dtype: torch.dtype | None = None,
-        precond_dtype: torch.dtype | None = None,
-        *,
-        max_skew_triangular: float = float("inf"),
+        merge_dims: bool = False,
+        update_clipping: str = "norm_and_value",
+        store_debiased_momentum: bool = False,
+        damping: bool = False,
         merge_small_dims: bool = False,
         target_merged_dim_size: int = 2048,
         preconditioner_update_style: str = "EQ",
         preconditioner_cache: str | None = None,
-        seed: int = 42,
+        seed: int | None = 42,
         strategy: Strategy | None = None,
         compile_kernels: bool = False,
     ):
@@ -272,20 +348,25 @@ class Kron(torch.optim.Optimizer):
             weight_decay=weight_decay,
             preconditioner_update_probability=preconditioner_update_probability,
             max_size_triangular=max_size_triangular,
+            max_skew_triangular=max_skew_triangular,
+            mu_dtype=mu_dtype,
+            precond_dtype=precond_dtype,
             min_ndim_triangular=min_ndim_triangular,
             memory_save_mode=memory_save_mode,
             momentum_into_precond_update=momentum_into_precond_update,
             precond_lr=precond_lr,
             precond_init_scale=precond_init_scale,
-            mu_dtype=mu_dtype,
-            precond_dtype=precond_dtype,
-            max_skew_triangular=max_skew_triangular,
+            merge_dims=merge_dims,
+            update_clipping=update_clipping,
+            store_debiased_momentum=store_debiased_momentum,
+            damping=damping,
             merge_small_dims=merge_small_dims,
             target_merged_dim_size=target_merged_dim_size,
             preconditioner_update_style=preconditioner_update_style,
             preconditioner_cache=preconditioner_cache,
         )
-        check_int("seed", seed)
+        if seed is not None:
+            check_int("seed", seed)
         check_bool("compile_kernels", compile_kernels)
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(
@@ -299,15 +380,12 @@ class Kron(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        """torch's state (defaults, state, groups) plus the seed, the strategy and
-        ``compile_kernels``, so that ``copy.deepcopy`` and ``pickle`` give an
-        optimizer that steps exactly like this one."""
-        return {
-            **super().__getstate__(),
-            "seed": self.seed,
-            "strategy": self.strategy,
-            "compile_kernels": self.compile_kernels,
-        }
+        """torch's state (defaults, state, groups) plus every public attribute
+        (the seed, the strategy, ``compile_kernels``, and any a subclass or user
+        sets), so that ``copy.deepcopy`` and ``pickle`` give an optimizer that
+        steps exactly like this one."""
+        public = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {**public, **super().__getstate__()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -343,8 +421,9 @@ class Kron(torch.optim.Optimizer):
         if not gradients_are_usable([p.grad for _, p, _ in entries]):
             # Skipped: no state changes; decoupled weight decay still applies.
             for group, p, _ in entries:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
             return loss
+        draws = None if self.seed is not None else self._global_draws(entries)
         owners = self.strategy.assign(
             [p for _, p, _ in entries],
             [_cost(p.shape, group) for group, p, _ in entries],
@@ -353,14 +432,75 @@ class Kron(torch.optim.Optimizer):
         rank = self.strategy.rank
         mine = [e for e, owner in zip(entries, owners, strict=True) if owner == rank]
         for bucket in _buckets(mine, self.state).values():
-            self._step_bucket(bucket, updates)
+            self._step_bucket(bucket, updates, draws)
         updates = self.strategy.share(
             [p for _, p, _ in entries], owners, [updates.get(i) for _, _, i in entries]
         )
-        for (group, p, _), update in zip(entries, updates, strict=True):
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update.to(p.dtype), alpha=-group["lr"])
+        self._apply(entries, updates)
         return loss
+
+    def _apply(self, entries, updates) -> None:
+        """θ ← θ − lr·(clipped update with weight decay), per group's
+        ``update_clipping`` (see the class docstring)."""
+        by_group: dict[int, list] = defaultdict(list)
+        for (group, p, _), update in zip(entries, updates, strict=True):
+            by_group[id(group)].append((group, p, update))
+        for members in by_group.values():
+            group = members[0][0]
+            lr, decay = _scalar(group["lr"]), group["weight_decay"]
+            if group["update_clipping"] == "rms":
+                for _, p, update in members:
+                    p.mul_(1 - lr * decay)
+                    p.add_(update.to(p.dtype), alpha=-lr)
+                continue
+            steps = [update for _, _, update in members]
+            if decay != 0:
+                steps = [u.add(p.to(u.dtype), alpha=decay) for (_, p, u) in members]
+            # kron-torch 0.1.0: a global norm of at most √(number of parameters)
+            # per group, then each entry clamped to [-1, 1].
+            torch.nn.utils.clip_grad_norm_(steps, self._parameter_count() ** 0.5)
+            for (_, p, _), u in zip(members, steps, strict=True):
+                # Complex entries: the real and imaginary parts each.
+                (torch.view_as_real(u) if u.is_complex() else u).clamp_(-1.0, 1.0)
+                p.add_(u.to(p.dtype), alpha=-lr)
+
+    def _parameter_count(self) -> int:
+        """Number of trainable scalars in all groups (the clipping norm's square)."""
+        return sum(
+            p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad
+        )
+
+    def _global_draws(self, entries) -> dict[int, tuple]:
+        """``seed=None``: kron-torch 0.1.0's draws from torch's global generator,
+        in its order. Per group: u ~ U[0, 1), update when u < p(n) or the
+        factors are yet to be made;
+        then, on an update, per parameter V ~ N(0, I) in the factor dtype and,
+        for 2+ dims, a balancing draw. Returns {index: (update, V, balance)}."""
+        present = {index: (group, p) for group, p, index in entries}
+        draws: dict[int, tuple] = {}
+        index = 0
+        for group in self.param_groups:
+            indices = range(index, index + len(group["params"]))
+            index += len(group["params"])
+            mine = [i for i in indices if i in present]
+            if not mine:
+                continue
+            first = present[mine[0]][1]
+            n = self.state[first].get(STEP, 0) + 1
+            probability = _probability(group, n)
+            # Always on the first step, as kron-torch creates its factors then
+            # (also a resumed run's first step: 0.1.0 saves no factors).
+            update = (
+                bool(torch.rand([]) < probability) or FACTORS not in (self.state[first])
+            )
+            for i, p in zip(indices, group["params"], strict=True):
+                noise = balance = None
+                if update:
+                    dtype, _ = _state_dtypes(p, group)
+                    noise = torch.randn(p.shape, dtype=dtype, device=p.device)
+                    balance = p.ndim > 1 and bool(torch.rand([]) < BALANCE_PROBABILITY)
+                draws[i] = (update, noise, balance)
+        return draws
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state; factors, momenta and Lipschitz estimates keep their
@@ -371,6 +511,13 @@ class Kron(torch.optim.Optimizer):
         other groups, shapes or factor structure, complex for real, missing
         keys) is refused with a ``ValueError`` naming the first mismatching
         entry, and nothing is changed.
+
+        A kron-torch 0.1.0 state dict (its momentum buffers and step count kept
+        in the param groups, no factors) loads too: each parameter gets its
+        momentum and step, and fresh factors at its next step, as a resumed
+        kron-torch run re-creates them. Hyperparameters that a saved group
+        lacks (one saved before an argument existed) take this optimizer's
+        defaults.
         """
         self._check_state_dict(state_dict)
         kept = (FACTORS, MOMENTUM, LIPSCHITZ)
@@ -388,6 +535,19 @@ class Kron(torch.optim.Optimizer):
                     state[key] = value.to(device=device, copy=True)
                 else:
                     state[key] = [t.to(device=device, copy=True) for t in value]
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            if KRON_TORCH_MOMENTA in group:  # kron-torch 0.1.0's layout
+                momenta = group.pop(KRON_TORCH_MOMENTA)
+                step = group.pop(STEP, 0)
+                for p, m in zip(group["params"], momenta, strict=True):
+                    _, mu_dtype = _state_dtypes(p, group)
+                    self.state[p] = {
+                        STEP: step,
+                        UPDATE_COUNTER: 0,
+                        MOMENTUM: m.to(device=p.device, dtype=mu_dtype, copy=True),
+                    }
 
     def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raises ValueError at the first entry of ``state_dict`` that does not
@@ -433,16 +593,17 @@ class Kron(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
-        if state:
+        if FACTORS in state:
             return state
         shape, diagonal = _plan(p.shape, group)
         dtype, mu_dtype = _state_dtypes(p, group)
         scale = group["precond_init_scale"] ** (1 / len(shape))
-        state[STEP] = 0
-        state[UPDATE_COUNTER] = 0
-        state[MOMENTUM] = torch.zeros_like(
-            p, dtype=mu_dtype, memory_format=torch.preserve_format
-        )
+        state.setdefault(STEP, 0)  # kept from a kron-torch 0.1.0 state dict
+        state.setdefault(UPDATE_COUNTER, 0)
+        if MOMENTUM not in state:
+            state[MOMENTUM] = torch.zeros_like(
+                p, dtype=mu_dtype, memory_format=torch.preserve_format
+            )
         cache, work = _cache(group), torch.promote_types(dtype, torch.float32)
         state[FACTORS] = [
             torch.full((d,), scale, dtype=dtype, device=p.device)
@@ -458,8 +619,11 @@ class Kron(torch.optim.Optimizer):
             ]
         return state
 
-    def _step_bucket(self, bucket, updates: dict[int, torch.Tensor]) -> None:
-        """Momentum, fit and preconditioned update of equal-shaped parameters."""
+    def _step_bucket(
+        self, bucket, updates: dict[int, torch.Tensor], draws: dict | None
+    ) -> None:
+        """Momentum, fit and preconditioned update of equal-shaped parameters;
+        ``draws`` holds ``seed=None``'s draws (:meth:`_global_draws`)."""
         group = bucket[0][0]
         states = [self._init_state(p, g) for g, p, _ in bucket]
         shape, _ = _plan(bucket[0][1].shape, group)
@@ -469,10 +633,11 @@ class Kron(torch.optim.Optimizer):
         step = states[0][STEP]
         grads = [p.grad for _, p, _ in bucket]
         momenta = [s[MOMENTUM] for s in states]
-        torch._foreach_lerp_(
+        torch._foreach_mul_(momenta, b1)
+        torch._foreach_add_(
             momenta,
             [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)],
-            1 - b1,
+            alpha=1 - b1,
         )
         factor_dtype = states[0][FACTORS][0].dtype
         dtype = torch.promote_types(factor_dtype, torch.float32)
@@ -482,39 +647,55 @@ class Kron(torch.optim.Optimizer):
             return torch.stack([t.to(dtype).reshape(shape) for t in tensors])
 
         mu_hat = stacked(momenta) / correction if b1 > 0 else stacked(grads)
+        if group["store_debiased_momentum"]:  # kron-torch 0.1.0: m ← m̂
+            for m, m_hat in zip(momenta, mu_hat, strict=True):
+                m.copy_(m_hat.reshape(m.shape))
         cache, style = _cache(group), group["preconditioner_update_style"]
         stored = [
             torch.stack([s[FACTORS][axis] for s in states]).to(dtype)
             for axis in range(len(shape))
         ]
-        probability = group["preconditioner_update_probability"]
-        if probability is None:
-            probability = _DEFAULT_SCHEDULE
-        if callable(probability):
-            probability = probability(step)
         for state in states:
             state[UPDATE_COUNTER] += 1
-        if states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability):
+        if draws is None:
+            probability = _probability(group, step)
+            update = states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
+        else:
+            update = draws[bucket[0][2]][0]
+        if update:
             for state in states:
                 state[UPDATE_COUNTER] = 0
             device = mu_hat.device
             factors = [_factor_of(F, cache, style) for F in stored]
-            if balance_draw(self.seed, step) < BALANCE_PROBABILITY:
-                factors = km.balance_factors(factors)
-            noise = torch.stack(
-                [
-                    unit_noise(shape, self.seed, step, index, dtype, device)
-                    for _, _, index in bucket
-                ]
-            )
+            if draws is None:
+                if balance_draw(self.seed, step) < BALANCE_PROBABILITY:
+                    factors = km.balance_factors(factors)
+                noise = torch.stack(
+                    [
+                        unit_noise(shape, self.seed, step, index, dtype, device)
+                        for _, _, index in bucket
+                    ]
+                )
+            else:
+                chosen = torch.tensor(
+                    [draws[index][2] for _, _, index in bucket], device=device
+                )
+                if chosen.any():
+                    balanced = km.balance_factors(factors)
+                    factors = [
+                        torch.where(km._expand(chosen, Q), B, Q)
+                        for Q, B in zip(factors, balanced, strict=True)
+                    ]
+                noise = torch.stack(
+                    [draws[index][1].to(dtype).reshape(shape) for _, _, index in bucket]
+                )
             target = mu_hat if group["momentum_into_precond_update"] else stacked(grads)
             old_stored = stored
             if style == "EQ":
+                if group["damping"]:
+                    target = km.add_damping_noise(target, noise)
                 factors = self._update_factors(
-                    factors,
-                    km.add_damping_noise(target, noise),
-                    noise,
-                    group["precond_lr"],
+                    factors, target, noise, group["precond_lr"]
                 )
             else:
                 lipschitz = [
@@ -556,11 +737,12 @@ class Kron(torch.optim.Optimizer):
             U = km.precondition(stored, mu_hat)
         else:  # U = G ×_1 P_1 … ×_k P_k with the cached P_i = Q_iᵀQ_i
             U = km.apply_along_axes([_gram_of(F, cache) for F in stored], mu_hat)
-        squares = U.abs().square() if U.is_complex() else U.square()
-        rms = squares.reshape(U.shape[0], -1).mean(dim=1).sqrt()
-        U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
-            (-1,) + (1,) * (U.ndim - 1)
-        )
+        if group["update_clipping"] == "rms":
+            squares = U.abs().square() if U.is_complex() else U.square()
+            rms = squares.reshape(U.shape[0], -1).mean(dim=1).sqrt()
+            U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
+                (-1,) + (1,) * (U.ndim - 1)
+            )
         for (_, p, index), u in zip(bucket, U, strict=True):
             updates[index] = u.reshape(p.shape)
 
@@ -621,6 +803,21 @@ def _state_entry_problem(
             if problem:
                 return problem
     return None
+
+
+def _probability(group: dict[str, Any], step: int) -> float:
+    """The group's preconditioner update probability at the 1-based ``step``."""
+    probability = group["preconditioner_update_probability"]
+    if probability is None:
+        probability = _DEFAULT_SCHEDULE
+    if callable(probability):
+        probability = probability(step)
+    return probability
+
+
+def _scalar(value: Any) -> float:
+    """A learning rate as a Python number (a tensor ``lr`` is read once)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 def _cache(group: dict[str, Any]) -> str | None:
@@ -705,21 +902,41 @@ def _check_skew(name: str, value: Any) -> None:
         check_real(name, value, low=0.0)
 
 
+def _check_lr(name: str, value: Any) -> None:
+    """A number >= 0, or a one-element floating tensor holding one (as
+    ``torch.optim.Adam`` accepts)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(
+                f"Invalid {name}={value!r}: a tensor {name} must be a one-element "
+                "floating tensor"
+            )
+        value = value.item()
+    check_real(name, value, low=0.0)
+
+
+# The update clippings of ``Kron(update_clipping=...)``.
+UPDATE_CLIPPINGS = ("norm_and_value", "rms")
+
 # Every per-group argument and its check: (name, check(name, value)).
 GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
-    ("lr", lambda n, v: check_real(n, v, low=0.0)),
+    ("lr", _check_lr),
     ("b1", lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False)),
     ("weight_decay", lambda n, v: check_real(n, v, low=0.0)),
     ("preconditioner_update_probability", _check_probability),
     ("max_size_triangular", lambda n, v: check_int(n, v, low=0)),
+    ("max_skew_triangular", _check_skew),
+    ("mu_dtype", _check_dtype),
+    ("precond_dtype", _check_dtype),
     ("min_ndim_triangular", lambda n, v: check_int(n, v, low=0)),
-    ("memory_save_mode", lambda n, v: check_choice(n, v, MEMORY_SAVE_MODES)),
+    ("memory_save_mode", lambda n, v: check_choice(n, v, TORCH_MEMORY_SAVE_MODES)),
     ("momentum_into_precond_update", check_bool),
     ("precond_lr", lambda n, v: check_real(n, v, low=0.0)),
     ("precond_init_scale", lambda n, v: check_real(n, v, low=0.0, low_inclusive=False)),
-    ("mu_dtype", _check_dtype),
-    ("precond_dtype", _check_dtype),
-    ("max_skew_triangular", _check_skew),
+    ("merge_dims", check_bool),
+    ("update_clipping", lambda n, v: check_choice(n, v, UPDATE_CLIPPINGS)),
+    ("store_debiased_momentum", check_bool),
+    ("damping", check_bool),
     ("merge_small_dims", check_bool),
     ("target_merged_dim_size", lambda n, v: check_int(n, v, low=1)),
     (
@@ -755,7 +972,7 @@ def _state_dtypes(
 ) -> tuple[torch.dtype, torch.dtype]:
     """(factor dtype, momentum dtype) of a parameter: complex counterparts of the
     group's dtypes for a complex parameter."""
-    factor = group["precond_dtype"] or torch.float32
+    factor = group["precond_dtype"] or p.dtype
     momentum = group["mu_dtype"] or p.dtype
     if p.is_complex():
         factor = _complex_of(torch.promote_types(factor, torch.float32))
