@@ -113,8 +113,23 @@ def tuned(make_optimizer, lrs, data):
     return results, best
 
 
+# The rules Kron had when the table above was measured (before kron-torch
+# 0.1.0's became its defaults, issue 18), passed explicitly so the figures hold.
+# (With the new defaults, seed 0 measured: 0.0011 at lr 3e-2, 0.0013 at 1e-2,
+# test accuracy 0.993; AdamW's best 0.0060.)
+MEASURED_RULES = dict(
+    update_clipping="rms",
+    damping=True,
+    max_skew_triangular=float("inf"),
+    min_ndim_triangular=2,
+    precond_dtype=torch.float32,
+)
+
+
 def test_kron_trains_a_cnn_on_digits_better_than_tuned_adamw(digits, one_thread):
-    kron, kron_lr = tuned(lambda p, lr: Kron(p, lr=lr), KRON_LRS, digits)
+    kron, kron_lr = tuned(
+        lambda p, lr: Kron(p, lr=lr, **MEASURED_RULES), KRON_LRS, digits
+    )
     adamw, adamw_lr = tuned(
         lambda p, lr: torch.optim.AdamW(p, lr=lr), ADAMW_LRS, digits
     )

@@ -432,3 +432,18 @@ def test_kfac_bad_lr_raises_value_error_as_torch_optimizers_do(kfac_setup):
     model, make, _ = kfac_setup
     with pytest.raises(ValueError, match="Invalid lr=-1"):
         make(model, lr=-1)
+
+
+def test_zero_gradients_leave_the_parameters_in_place_and_repr_lists_the_groups():
+    """As torch's optimizers without weight decay: zero gradients move nothing
+    (U = P·0 = 0), though the step is counted; ``repr`` shows each group."""
+    params = _params()
+    optimizer = Kron(params, lr=LR)
+    before = _values(params)
+    for _ in range(3):
+        _step(optimizer, params, [torch.zeros_like(p) for p in params])
+    _assert_equal(_values(params), before)
+    assert all(optimizer.state[p]["step"] == 3 for p in params)
+    text = repr(optimizer)
+    assert text.startswith("Kron (")
+    assert "max_skew_triangular: 10" in text

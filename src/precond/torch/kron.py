@@ -633,11 +633,10 @@ class Kron(torch.optim.Optimizer):
         step = states[0][STEP]
         grads = [p.grad for _, p, _ in bucket]
         momenta = [s[MOMENTUM] for s in states]
-        torch._foreach_mul_(momenta, b1)
-        torch._foreach_add_(
+        torch._foreach_lerp_(
             momenta,
             [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)],
-            alpha=1 - b1,
+            1 - b1,
         )
         factor_dtype = states[0][FACTORS][0].dtype
         dtype = torch.promote_types(factor_dtype, torch.float32)
