@@ -297,6 +297,8 @@ def scale_by_affine(
     preconditioner_update_probability: float = 1.0,
     b1: float = 0.9,
     nesterov: bool = False,
+    max_size_triangular: int = 4096,
+    max_skew_triangular: int = 128,
     precond_lr: float | Callable = 0.1,
     precond_init_scale: float | None = None,
     update_global_norm_clip: float | None = None,
@@ -304,8 +306,6 @@ def scale_by_affine(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
-    max_size_triangular: int = 4096,
-    max_skew_triangular: int = 128,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD Affine preconditioner.
 
@@ -377,6 +377,8 @@ def affine(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     mask: Any | Callable | None = None,
+    max_size_triangular: int = 4096,
+    max_skew_triangular: int = 128,
     precond_lr: float | Callable = 0.1,
     precond_init_scale: float | None = None,
     update_global_norm_clip: float | None = None,
@@ -384,8 +386,6 @@ def affine(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
-    max_size_triangular: int = 4096,
-    max_skew_triangular: int = 128,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD Affine: ``chain(scale_by_affine, add_decayed_weights,
     scale_by_learning_rate)``.
