@@ -79,7 +79,7 @@ _DEFAULT_SCHEDULE = precond_update_prob_schedule()
 
 
 # memory_save_mode values: precond's plan's, plus kron-torch 0.3.3's 'smart_one_diag'.
-TORCH_MEMORY_SAVE_MODES = (*MEMORY_SAVE_MODES, "smart_one_diag")
+TORCH_MEMORY_SAVE_MODES = tuple(dict.fromkeys((*MEMORY_SAVE_MODES, "smart_one_diag")))
 
 
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
