@@ -10,8 +10,10 @@ after ``preconditioner.step()`` of every step, the final parameters, the bytes i
 communicator sent by kind and which layers it holds second-order data for. The
 parent compares them with one process on the whole global batch, and checks the
 communication and the memory placement against the strategy's grid. A last
-configuration stops after ``RESUME_AT`` steps, saves rank 0's ``state_dict``s, and
-continues in a fresh DDP model, SGD and KFAC that load them.
+few configurations (``RESUME``) stop after some steps, save their ``state_dict``s, and
+continue in a fresh DDP model, SGD and KFAC that load them: rank 0's dicts on every
+rank at an inverse-update boundary, or each rank's own K-FAC dict in the middle of
+an inverse cycle (the only exact way there: see ``KFAC.load_state_dict``).
 
 Tolerance (float64): DDP's all-reduce of the gradients and K-FAC's all-reduce of
 the factor contributions sum in another order than one process does (~1e-16
@@ -53,7 +55,6 @@ from tests.torch.test_kron_distributed import init_gloo, spawn
 STEPS = 5
 GLOBAL_BATCH = 16
 LR = 0.1
-RESUME_AT = 3  # the resume configuration saves after 3 steps (see RESUME)
 RELATIVE_TOLERANCE = 1e-10
 
 # name → KFAC keyword arguments (besides damping, lr and inv_dtype).
@@ -85,11 +86,19 @@ CONFIGS = {
         "inv_update_steps": 2,
     },
 }
-# Trained with a save/load of rank 0's state after RESUME_AT steps. Factors change
-# at steps 0 and 2 and are decomposed right after, so the decompositions that the
-# load recomputes (and broadcasts) from the saved factors are those that step 3
-# of the uninterrupted run uses: without them step 3 would not be preconditioned.
-RESUME = "mem-opt-inverse-not-colocated-intervals"
+# Configuration → (steps before the save, whether each rank loads its own K-FAC
+# dict). Rank 0's dict holds the decompositions of rank 0's column only; the other
+# columns recompute theirs from the saved factors on load, which continues the run
+# exactly only right before an inverse update. "mem-opt-...": factors and inverses
+# at steps 0 and 2, saved after 3 (recomputing gives those step 3 uses, and without
+# them step 3 would not be preconditioned). The other two are saved in the middle
+# of an inverse cycle (factors moved on since the decompositions in use), so each
+# rank saves and loads its own dict.
+RESUME = {
+    "mem-opt-inverse-not-colocated-intervals": (3, False),
+    "fraction-0.5-intervals-symmetric": (3, True),  # factors at 0, 2; inverses at 0
+    "hybrid-opt-inverse-symmetric": (2, True),
+}
 
 
 class CNN(nn.Module):
@@ -153,11 +162,12 @@ def distributed_run(rank, world_size, config_name, out):
     optimizer, preconditioner = make(model, ddp, config_name)
     shard = GLOBAL_BATCH // world_size
     rows = slice(rank * shard, (rank + 1) * shard)
-    stop = RESUME_AT if config_name == RESUME else STEPS
+    stop, own_dict = RESUME.get(config_name, (STEPS, False))
     grads = train(model, ddp, optimizer, preconditioner, rows, range(stop))
     bytes_sent = dict(preconditioner.communicator.bytes_sent)
-    if config_name == RESUME:
+    if config_name in RESUME:
         saved = out / f"resume-{config_name}.pt"
+        own = out / f"resume-{config_name}-kfac-rank{rank}.pt"
         if rank == 0:
             torch.save(
                 {
@@ -167,6 +177,8 @@ def distributed_run(rank, world_size, config_name, out):
                 },
                 saved,
             )
+        if own_dict:
+            torch.save(preconditioner.state_dict(), own)
         dist.barrier()
         state = torch.load(saved, weights_only=False)
         model = build()
@@ -174,7 +186,8 @@ def distributed_run(rank, world_size, config_name, out):
         ddp = nn.parallel.DistributedDataParallel(model)
         optimizer, preconditioner = make(model, ddp, config_name)
         optimizer.load_state_dict(state["optimizer"])
-        preconditioner.load_state_dict(state["kfac"])
+        kfac_state = torch.load(own, weights_only=True) if own_dict else state["kfac"]
+        preconditioner.load_state_dict(kfac_state)
         grads += train(model, ddp, optimizer, preconditioner, rows, range(stop, STEPS))
         for kind, count in preconditioner.communicator.bytes_sent.items():
             bytes_sent[kind] = bytes_sent.get(kind, 0) + count
@@ -303,7 +316,7 @@ def check_placement_and_communication(results, config_name):
     symmetry_aware = config.get("symmetry_aware", False)
     factor_updates = len(range(0, STEPS, config.get("factor_update_steps", 1)))
     inverse_updates = len(range(0, STEPS, config.get("inv_update_steps", 1)))
-    if config_name == RESUME:
+    if config_name in RESUME and not RESUME[config_name][1]:
         inverse_updates += 1  # the load recomputes and broadcasts
 
     def packed(n):
