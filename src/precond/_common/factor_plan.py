@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 MEMORY_SAVE_MODES = (None, "one_diag", "all_diag")
 
 
@@ -135,3 +137,60 @@ def _product(values) -> int:
     for value in values:
         result *= value
     return result
+
+
+def merge_dims_by_loss(
+    shape: Sequence[int], target_merged_dim_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """distributed-kron 1.0.0's merge rule: the cut into runs of adjacent axes that
+    minimises Σ loss(dᵢ) over the merged dims dᵢ, where with t the target
+
+        loss(d) = log₂(t/d) + 100·log₂(t/(8d))·[d < t/8]       for d < t,
+        loss(d) = 10·log₂(d/t) + 1000·log₂(d/(8t))·[d > 8t]    for d >= t.
+
+    Small dims are penalised hard, so a small tensor may merge into one long axis
+    (a (128, 10) kernel becomes (1280,) under target 4096). Ties go to the cut
+    listed first when cuts are listed by the length of their first run, shortest
+    first, then recursively by the rest. An all-ones shape is one group; a scalar
+    gives ().
+
+    Example:
+        >>> merge_dims_by_loss((128, 10), 4096)
+        ((0, 1),)
+    """
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        return ()
+    if all(d == 1 for d in shape):
+        return (tuple(range(len(shape))),)
+    target = target_merged_dim_size
+
+    def loss(d: int) -> float:
+        value = 0
+        if d < target:
+            value += np.log2(target / d)
+            if d < target / 8:
+                value += 100 * np.log2(target / 8 / d)
+        else:
+            value += 10 * np.log2(d / target)
+            if d > 8 * target:
+                value += 1000 * np.log2(d / (8 * target))
+        return value
+
+    def cuts(start: int):
+        """Every cut of axes start..n-1 into runs, shortest first run first."""
+        if start == len(shape):
+            yield []
+            return
+        for end in range(start + 1, len(shape) + 1):
+            for rest in cuts(end):
+                yield [tuple(range(start, end)), *rest]
+
+    best_loss, best_groups = float("inf"), None
+    for groups in cuts(0):
+        total = 0
+        for group in groups:
+            total += loss(_product(shape[a] for a in group))
+        if total < best_loss:
+            best_loss, best_groups = total, tuple(groups)
+    return best_groups
