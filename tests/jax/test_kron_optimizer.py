@@ -292,7 +292,12 @@ def test_preconditioner_cache_layouts_agree():
             "w": jnp.ones((6, 5), jnp.float64),
             "t": jnp.ones((3, 4, 2), jnp.float64),
         }
-        kwargs = dict(preconditioner_update_probability=0.5, precond_dtype=jnp.float64)
+        kwargs = dict(
+            preconditioner_update_probability=0.5,
+            precond_dtype=jnp.float64,
+            merge_small_dims=False,
+            partition_grads_into_blocks=False,
+        )
         runs = {
             cache: _run_steps(pj.kron(preconditioner_cache=cache, **kwargs), params, 6)
             for cache in ("packed", "dense", None)
@@ -328,3 +333,46 @@ def test_non_finite_gradient_skips_the_step(b1):
         _, after = update(jax.tree.map(jnp.ones_like, params), new_state)
         assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after))
         assert int(after.count) == 2, bad
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["kron", "kron-decay-schedule", "scale_by_kron-b1-0", "scale_by_kron-QUAD"],
+)
+def test_optax_map_params_over_the_state(name):
+    """optax.tree.map_params finds the momentum (the one params-shaped tree) in
+    Kron's state: identity keeps the state, and a spec per parameter with the
+    rest mapped to None gives the momentum those specs."""
+    from jax.sharding import PartitionSpec as P
+
+    optimizer = {
+        "kron": lambda: pj.kron(),
+        "kron-decay-schedule": lambda: pj.kron(
+            learning_rate=optax.linear_schedule(1e-3, 0.0, 10), weight_decay=0.1
+        ),
+        "scale_by_kron-b1-0": lambda: pj.scale_by_kron(b1=0.0),
+        "scale_by_kron-QUAD": lambda: pj.scale_by_kron(
+            preconditioner_update_style="QUAD"
+        ),
+    }[name]()
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    state = optimizer.init(params)
+    _, state = optimizer.update(params, state, params)
+
+    same = optax.tree.map_params(optimizer, lambda p: p, state)
+    assert jax.tree.structure(same) == jax.tree.structure(state)
+    jax.tree.map(np.testing.assert_array_equal, same, state)
+
+    specs = {"w": P("x", None), "b": P()}
+    mapped = optax.tree.map_params(
+        optimizer,
+        lambda _, spec: spec,
+        state,
+        specs,
+        transform_non_params=lambda _: None,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    kron_state = mapped if isinstance(mapped, pj.KronState) else mapped[0]
+    assert kron_state.mu == (None if name == "scale_by_kron-b1-0" else specs)
+    assert kron_state.preconditioners is None
+    assert kron_state.count is None

@@ -92,6 +92,8 @@ def test_steps_match_reference(
         precond_dtype=jnp.float64,
         preconditioner_cache=preconditioner_cache,
         seed=seed,
+        merge_small_dims=False,
+        partition_grads_into_blocks=False,
     )
     params = {k: jnp.zeros(s, jnp.float64) for k, s in SHAPES.items()}
     state = optimizer.init(params)

@@ -52,6 +52,7 @@ def test_scanned_parameter_equals_independent_layers(lax_map):
         lax_map_scanned_layers=lax_map,
         lax_map_batch_size=2,
         seed=seed,
+        independent_scanned_layers=True,
         **KWARGS,
     )
     got, state = run_updates(scanned, {"stack": jnp.zeros((layers, m, n))}, grads)
@@ -122,7 +123,9 @@ def test_merged_dims_equal_kron_on_the_merged_shape():
 def test_merging_keeps_factor_memory_small_for_conv_kernels():
     """A (64, 32, 3, 3) kernel: factors 64 and 288, ~4.7 numbers per parameter."""
     params = {"kernel": jnp.zeros((64, 32, 3, 3), jnp.float32)}
-    state = pj.scale_by_kron(merge_small_dims=True).init(params)
+    state = pj.scale_by_kron(
+        merge_small_dims=True, partition_grads_into_blocks=False
+    ).init(params)
     factor_numbers = sum(f.size for f in jax.tree.leaves(state.preconditioners))
     assert _factor_shapes(state) == [(1, 65, 64), (1, 289, 288)]
     assert factor_numbers < 5 * math.prod(params["kernel"].shape)
@@ -155,13 +158,10 @@ def test_digits_mlp_state_with_merging_and_blocks_is_within_twice_the_plain_stat
         state = pj.scale_by_kron(**kwargs).init(params)
         return sum(x.nbytes for x in jax.tree.leaves(state.preconditioners))
 
-    plain = factor_bytes()
-    assert factor_bytes(merge_small_dims=True) <= 2 * plain
-    assert factor_bytes(partition_grads_into_blocks=True) <= 2 * plain
-    assert (
-        factor_bytes(merge_small_dims=True, partition_grads_into_blocks=True)
-        <= 2 * plain
-    )
+    plain = factor_bytes(merge_small_dims=False, partition_grads_into_blocks=False)
+    assert factor_bytes(partition_grads_into_blocks=False) <= 2 * plain
+    assert factor_bytes(merge_small_dims=False) <= 2 * plain
+    assert factor_bytes() <= 2 * plain  # the defaults: merged and blocked
     # Packed float32 factors: 65·64 + 4·257·256 + 11·10 + diagonals = 1.07 MB.
     assert plain < 1.1e6
 
@@ -189,3 +189,20 @@ def test_bad_scanned_layers(scanned_layers, message):
 def test_bad_structure_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         pj.kron(**kwargs)
+
+
+def test_default_merging_and_blocking_do_not_inflate_a_small_mlp():
+    """32→64→64→10: the default (merged, blocked) factors take no more memory
+    than plain Kron's; distributed-kron's merge rule makes the 64×64 and 32×64
+    kernels single 4096- and 2048-long triangular axes (about 100× the bytes)."""
+    shapes = {"w1": (32, 64), "b1": (64,), "w2": (64, 64), "b2": (64,)}
+    shapes |= {"w3": (64, 10), "b3": (10,)}
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+
+    def factor_bytes(**kwargs):
+        state = jax.eval_shape(pj.scale_by_kron(**kwargs).init, params)
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state[2]))
+
+    plain = factor_bytes(merge_small_dims=False, partition_grads_into_blocks=False)
+    assert factor_bytes() <= plain
+    assert factor_bytes(merge_rule="distributed_kron") > 50 * plain

@@ -25,6 +25,8 @@ from precond.jax.kron import (
     KronState,
     get_opt_state_partition_specs,
     kron,
+    kron_state_from_distributed_kron,
+    kron_state_to_distributed_kron,
     precond_update_prob_schedule,
     scale_by_kron,
 )
@@ -63,6 +65,8 @@ __all__ = [
     "get_opt_state_partition_specs",
     "hessian_helper",
     "kron",
+    "kron_state_from_distributed_kron",
+    "kron_state_to_distributed_kron",
     "low_rank_approximation",
     "lra",
     "matrix_inverse_pth_root",

@@ -20,10 +20,13 @@ from precond._common.validation import (
     check_real,
 )
 from precond.jax import _kron_math as km
+from precond.jax._kron_layout import MERGE_RULES
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 
 # Layouts of the cached P_i = Q_iᵀQ_i (see scale_by_kron's preconditioner_cache).
 PRECONDITIONER_CACHES = ("packed", "dense", None)
+# Where a factor update's random draws come from (scale_by_kron's noise_draws).
+NOISE_DRAWS = ("per_block", "distributed_kron")
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
 # them as ``static_args`` to ``optax.inject_hyperparams``.
 KRON_STATIC_ARGS = (
@@ -97,7 +100,6 @@ KRON_ARGUMENT_CHECKS = {
     "max_size_triangular": functools.partial(check_int, low=0),
     "min_ndim_triangular": functools.partial(check_int, low=0),
     "memory_save_mode": functools.partial(check_choice, choices=MEMORY_SAVE_MODES),
-    "momentum_into_precond_update": check_bool,
     "preconditioner_lr": _positive,
     "preconditioner_init_scale": _positive,
     "mu_dtype": check_floating_dtype,
@@ -117,6 +119,8 @@ KRON_ARGUMENT_CHECKS = {
     "block_size": functools.partial(check_int, low=1),
     "params_partition_specs": _checked_at_init,
     "preconditioner_partition_spec": _check_partition_spec,
+    # Keyword-only, after distributed-kron's arguments.
+    "momentum_into_precond_update": check_bool,
     "mesh": _check_mesh,
     "preconditioner_cache": functools.partial(
         check_choice, choices=PRECONDITIONER_CACHES
@@ -125,6 +129,9 @@ KRON_ARGUMENT_CHECKS = {
         check_choice, choices=km.UPDATE_STYLES
     ),
     "seed": check_int,
+    "merge_rule": functools.partial(check_choice, choices=MERGE_RULES),
+    "independent_scanned_layers": check_bool,
+    "noise_draws": functools.partial(check_choice, choices=NOISE_DRAWS),
 }
 
 

@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precond._common.factor_plan import merge_dims, plan_diagonal_axes
+from precond._common.factor_plan import (
+    merge_dims,
+    merge_dims_by_loss,
+    plan_diagonal_axes,
+)
+
+# How merge_small_dims groups axes (see scale_by_kron's merge_rule).
+MERGE_RULES = ("balanced", "distributed_kron")
 
 # Parameter index of the empty units that pad a stack to a multiple of the shards.
 PADDING_UNIT = np.iinfo(np.int32).max
@@ -87,12 +94,16 @@ def plan_tensor(
     target_merged_dim_size: int,
     block_size: int | None,
     complex: bool = False,
+    merge_rule: str = "balanced",
 ) -> TensorPlan:
     """Plans one parameter: its layers, merged shape, factor structure and blocks.
 
     Factor structure is decided on the (unmerged) layer shape; a merged axis is
-    diagonal iff all its source axes are, or if it exceeds ``max_size_triangular``.
-    ``block_size=None`` keeps every axis whole. ``complex``: the parameter is
+    diagonal iff all its source axes are, or (``merge_rule='balanced'``) if it
+    exceeds ``max_size_triangular``. ``merge_rule``: 'balanced'
+    (:func:`merge_dims`) or 'distributed_kron' (:func:`merge_dims_by_loss`).
+    ``block_size=None`` keeps every axis whole; diagonal axes are never cut.
+    ``complex``: the parameter is
     complex (its units get complex factors and are never stacked with real ones).
     """
     if scanned and not shape:
@@ -108,15 +119,20 @@ def plan_tensor(
         memory_save_mode=memory_save_mode,
     )
     if merge_small_dims:
-        groups = merge_dims(layer_shape, target_merged_dim_size)
+        balanced = merge_rule == "balanced"
+        rule = merge_dims if balanced else merge_dims_by_loss
+        groups = rule(layer_shape, target_merged_dim_size)
         merged = tuple(math.prod(layer_shape[a] for a in g) for g in groups)
         diagonal = tuple(
-            all(diagonal[a] for a in g) or size > max_size_triangular
+            all(diagonal[a] for a in g) or (balanced and size > max_size_triangular)
             for g, size in zip(groups, merged, strict=True)
         )
         layer_shape = merged
+    # Diagonal axes stay whole (as distributed-kron's): cheap, and a diagonal
+    # factor's step normaliser then spans the whole axis.
     block_shape = tuple(
-        d if block_size is None else min(d, block_size) for d in layer_shape
+        d if block_size is None or diag else min(d, block_size)
+        for d, diag in zip(layer_shape, diagonal, strict=True)
     )
     return TensorPlan(scanned, layer_shape, diagonal, block_shape, complex)
 

@@ -9,6 +9,8 @@ triangular or diagonal factor Q_i per axis, fitted online so that P·m̂ is whit
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,7 +36,11 @@ from precond.jax._kron_arguments import (
     validate_kron_arguments,
 )
 from precond.jax._kron_layout import StackPlan, TensorPlan
-from precond.jax._kron_randomness import fit_randomness, unit_noise
+from precond.jax._kron_randomness import (
+    BALANCE_PROBABILITY,
+    fit_randomness,
+    unit_noise,
+)
 from precond.jax._kron_sharding import (
     ShardingPlan,
     partition_specs_only,
@@ -49,9 +55,15 @@ __all__ = [
     "KronState",
     "get_opt_state_partition_specs",
     "kron",
+    "kron_state_from_distributed_kron",
+    "kron_state_to_distributed_kron",
     "precond_update_prob_schedule",
     "scale_by_kron",
 ]
+
+# kron's own arguments, which scale_by_kron accepts and ignores (as
+# distributed-kron's does), so that one dict of kron arguments serves both.
+KRON_ALIAS_ARGS = ("learning_rate", "weight_decay", "weight_decay_mask")
 
 # Updates are scaled down so their per-tensor RMS is at most this.
 MAX_UPDATE_RMS = 1.1
@@ -71,6 +83,36 @@ class KronState(NamedTuple):
     # Generation-2 styles only (None for 'EQ'): per stack, per axis, the (units,)
     # float32 Lipschitz estimates L_i of the factor updates.
     lipschitz: tuple | None = None
+
+
+def _fit_key(seed: int, count: jax.Array) -> jax.Array:
+    """The key of the random draws of a factor update at step ``count``."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), count)
+
+
+class _StateLayout(NamedTuple):
+    """How a scale_by_kron keeps its factors: its planner and the conversions
+    between a factor Q and its stored array."""
+
+    plan_tree: Callable  # params -> (treedef, plans, stacks, sharding)
+    stored: Callable  # Q (units, d, d) -> stored array
+    factor_of: Callable  # one unit's stored array -> Q
+
+
+def _leafless_state(
+    params: Any, keep_momentum: bool, generation_2: bool, precond_dtype: Any
+) -> KronState:
+    """The state of a tree with no arrays, e.g. optax.tree.map_params's
+    placeholder: momentum is that tree, and the factors (and Lipschitz estimates)
+    one empty array each, a leaf that stands for the factors of any parameters, so
+    that this state is a prefix of every real one."""
+    return KronState(
+        count=jnp.zeros([], jnp.int32),
+        mu=jax.tree.map(lambda x: x, params) if keep_momentum else None,
+        preconditioners=jnp.zeros((0,), precond_dtype),
+        update_counter=jnp.zeros([], jnp.int32),
+        lipschitz=jnp.zeros((0,), jnp.float32) if generation_2 else None,
+    )
 
 
 def _momentum_dtype(mu_dtype: Any | None, param: Any) -> jnp.dtype:
@@ -122,7 +164,6 @@ def scale_by_kron(
     max_size_triangular: int = 8192,
     min_ndim_triangular: int = 2,
     memory_save_mode: str | None = None,
-    momentum_into_precond_update: bool = True,
     preconditioner_lr: float = 0.1,
     preconditioner_init_scale: float = 1.0,
     mu_dtype: Any | None = None,
@@ -132,17 +173,22 @@ def scale_by_kron(
     scanned_layers: Any | Callable | None = None,
     lax_map_scanned_layers: bool = False,
     lax_map_batch_size: int = 8,
-    merge_small_dims: bool = False,
-    target_merged_dim_size: int = 2048,
-    partition_grads_into_blocks: bool = False,
+    merge_small_dims: bool = True,
+    target_merged_dim_size: int = 4096,
+    partition_grads_into_blocks: bool = True,
     block_size: int = 256,
     params_partition_specs: Any | None = None,
     preconditioner_partition_spec: PartitionSpec | None = None,
     *,
+    momentum_into_precond_update: bool = True,
     mesh: jax.sharding.Mesh | None = None,
     preconditioner_cache: str | None = "packed",
     preconditioner_update_style: str = "EQ",
     seed: int = 42,
+    merge_rule: str = "balanced",
+    independent_scanned_layers: bool = False,
+    noise_draws: str = "per_block",
+    **kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD Kron preconditioner.
 
@@ -251,12 +297,39 @@ def scale_by_kron(
         seed: seed of the noise and balancing decisions, which are drawn from
             ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly,
             and on any mesh (see :func:`unit_noise`).
+        merge_rule: how ``merge_small_dims`` groups axes. ``'balanced'``
+            (default): :func:`precond._common.factor_plan.merge_dims`, which
+            never merges a tensor into fewer than two dims and makes a merged dim
+            longer than ``max_size_triangular`` diagonal, so small layers keep
+            small factors. ``'distributed_kron'``: distributed-kron's rule
+            (:func:`precond._common.factor_plan.merge_dims_by_loss`), which
+            merges a small matrix into one long triangular axis (a (128, 10)
+            kernel gets a 1280-long one, cut into blocks when blocking).
+        independent_scanned_layers: each layer of a scanned parameter gets its
+            own RMS clip and damping scale, exactly as if it were a separate
+            parameter. Default False, as distributed-kron: one clip and one
+            damping scale mean|m̂| per parameter (over all its layers and blocks).
+        noise_draws: where the random draws of a factor update come from.
+            ``'per_block'`` (default): each unit's noise from its own key (see
+            ``seed``), the same on any mesh. ``'distributed_kron'``: as
+            distributed-kron draws them from ``PRNGKey(seed)`` (its seed is 42,
+            as precond's default): one normal array per parameter in its layout
+            and its balancing decision, so the same seed gives its trajectory.
+        **kwargs: ``kron``'s own arguments (``learning_rate``,
+            ``weight_decay``, ``weight_decay_mask``) are accepted and ignored,
+            so one dict of arguments serves both (as in distributed-kron);
+            any other name is a TypeError.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose state is a
         :class:`KronState`.
     """
-    validate_kron_arguments(**locals())  # first: locals() are the arguments
+    unexpected = sorted(set(kwargs) - set(KRON_ALIAS_ARGS))
+    if unexpected:
+        raise TypeError(
+            f"scale_by_kron() got an unexpected keyword argument {unexpected[0]!r}"
+        )
+    validate_kron_arguments(**locals())  # locals() are the arguments
     warn_if_xla_cpu_deadlock_possible()
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     precond_dtype = jnp.dtype(jnp.float32 if precond_dtype is None else precond_dtype)
@@ -292,6 +365,7 @@ def scale_by_kron(
                 target_merged_dim_size=target_merged_dim_size,
                 block_size=block_size if partition_grads_into_blocks else None,
                 complex=km.is_complex(x),
+                merge_rule=merge_rule,
             )
             for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
         ]
@@ -363,6 +437,8 @@ def scale_by_kron(
         return tuple(factors)
 
     def init_fn(params: optax.Params) -> KronState:
+        if not jax.tree.leaves(params):
+            return _leafless_state(params, keep_momentum, generation_2, precond_dtype)
         check_parameter_dtypes(params, "PSGD Kron", complex_ok=True)
         treedef, _, stacks, sharding = plan_tree(params)
 
@@ -438,17 +514,21 @@ def scale_by_kron(
             return km.precondition([factor_of(F) for F in factors], G)
         return km.precondition_with_grams([gram_of(F) for F in factors], G)
 
-    def fit_unit(factors, lipschitz, G, V, ids, extent, noise_key, balance):
+    def fit_unit(
+        factors, lipschitz, G, V, ids, extent, damping, noise_key, balance, newton
+    ):
         """One factor update of one unit from the pair (G, V).
 
-        Whitening (``V`` None): V is drawn (:func:`unit_noise`) and G gets damping
-        noise. Newton: (G, V) = (H·v, v) as given. ``extent`` is the unit's real
-        size per axis: padding beyond it holds zeros in G and V, gets no noise,
-        and is kept out of the damping scale, the balancing norms and the
-        generation-2 targets. Returns the new factors and Lipschitz estimates.
+        Whitening (not ``newton``): V is drawn (:func:`unit_noise`) unless given,
+        and G gets damping noise. Newton: (G, V) = (H·v, v) as given.
+        ``extent`` is the unit's real size per axis: padding beyond it holds
+        zeros in G and V, gets no noise,
+        and is kept out of the balancing norms and the generation-2 targets.
+        ``damping`` is mean|G| over the unit's parameter (or layer: see
+        ``independent_scanned_layers``). Returns the new factors and Lipschitz
+        estimates.
         """
         valid = [jnp.arange(size) < extent[i] for i, size in enumerate(G.shape)]
-        newton = V is not None
         if not newton:
             inside = functools.reduce(
                 jnp.logical_and,
@@ -457,12 +537,13 @@ def scale_by_kron(
                     for i, v in enumerate(valid)
                 ],
             )
-            V = unit_noise(noise_key, ids[0], ids[1], G.shape, G.dtype)
+            if V is None:
+                V = unit_noise(noise_key, ids[0], ids[1], G.shape, G.dtype)
             V = jnp.where(inside, V, 0)
             if generation_2:
                 G = km.add_relative_damping_noise(G, V)
             else:
-                G = km.add_damping_noise(G, V, jnp.maximum(jnp.prod(extent), 1))
+                G = G + km.DAMPING_SCALE * damping.astype(G.dtype) * V
         old_factors, old_lipschitz = factors, lipschitz
         Qs = [factor_of(F) for F in factors]
         if len(Qs) > 1:
@@ -499,19 +580,42 @@ def scale_by_kron(
         return keep(factors, old_factors), keep(lipschitz, old_lipschitz)
 
     def fit_stacks(
-        stacks, sharding, all_factors, all_lipschitz, G_stacks, key, V_stacks=None
+        stacks,
+        sharding,
+        all_factors,
+        all_lipschitz,
+        G_stacks,
+        key,
+        V_stacks=None,
+        damping_stacks=None,
+        drawn=None,
     ):
         """One factor update of every unit (the 'update' branch of step 2);
-        ``V_stacks`` are the Newton vectors (None: whitening). Returns the new
-        factors and Lipschitz estimates (None for 'EQ') of every stack."""
-        balance, noise_key = fit_randomness(key)
+        ``V_stacks`` are the Newton vectors (None: whitening, with the units'
+        damping scales ``damping_stacks``). ``drawn``: whitening with the given
+        (balancing decision, noise stacks) instead of drawing them from ``key``.
+        Returns the new factors and Lipschitz estimates (None for 'EQ') of every
+        stack."""
+        newton = V_stacks is not None
+        if drawn is None:
+            balance, noise_key = fit_randomness(key)
+        else:
+            (balance, V_stacks), noise_key = drawn, None
         if V_stacks is None:
             V_stacks = [None] * len(stacks)
+        if damping_stacks is None:
+            damping_stacks = [jnp.zeros(len(s.extents)) for s in stacks]
         if all_lipschitz is None:
             all_lipschitz = [None] * len(stacks)
         new_factors, new_lipschitz = [], []
-        for stack, factors, lipschitz, G, V in zip(
-            stacks, all_factors, all_lipschitz, G_stacks, V_stacks, strict=True
+        for stack, factors, lipschitz, G, V, damping in zip(
+            stacks,
+            all_factors,
+            all_lipschitz,
+            G_stacks,
+            V_stacks,
+            damping_stacks,
+            strict=True,
         ):
             with jax.named_scope("precond/kron/update_factors"):
                 ids = sharding.constrain(
@@ -521,10 +625,21 @@ def scale_by_kron(
                     jnp.asarray(stack.extents), sharding.stack_spec
                 )
 
-                def fit(factors, lipschitz, G, ids, extent, *newton_V):
+                damping = sharding.constrain(damping, sharding.stack_spec)
+
+                def fit(factors, lipschitz, G, ids, extent, damping, *newton_V):
                     V = newton_V[0] if newton_V else None
                     return fit_unit(
-                        factors, lipschitz, G, V, ids, extent, noise_key, balance
+                        factors,
+                        lipschitz,
+                        G,
+                        V,
+                        ids,
+                        extent,
+                        damping,
+                        noise_key,
+                        balance,
+                        newton,
                     )
 
                 newton_V = () if V is None else (V,)
@@ -536,6 +651,7 @@ def scale_by_kron(
                     G,
                     ids,
                     extents,
+                    damping,
                     *newton_V,
                 )
                 new_factors.append(
@@ -635,8 +751,62 @@ def scale_by_kron(
 
         mu_hat_stacks = stacked(mu_hats)
 
+        def seed_layout_draws(tensors):
+            """distributed-kron's draws at this step: its balancing decision and
+            one normal array per parameter in its (layers?, blocks?, *block)
+            layout, cut to each unit's block and stacked."""
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), count - 1)
+            _, key = jax.random.split(key)
+            key, balance_key = jax.random.split(key)
+            balance = jax.random.uniform(balance_key) <= BALANCE_PROBABILITY
+            _, noise_key = jax.random.split(key)
+            keys = jax.random.split(noise_key, len(tensors))
+            blocked = partition_grads_into_blocks
+            noise = []
+            for k, x, plan, lead in zip(keys, tensors, plans, leads, strict=True):
+                sizes = _seed_factor_sizes(plan, blocked, block_size)
+                blocks = (math.prod(plan.blocks_per_axis),) if blocked else ()
+                V = jax.random.normal(k, (*lead, *blocks, *sizes), x.dtype)
+                V = V.reshape(-1, *sizes)
+                V = V[(slice(None), *(slice(0, b) for b in plan.block_shape))]
+                noise.append(working(V))
+            stacked_noise = []
+            for stack in stacks:
+                parts = [noise[i] for i in stack.members]
+                padding = len(stack.extents) - stack.real_units
+                parts.append(jnp.zeros((padding, *stack.block_shape), parts[0].dtype))
+                stacked_noise.append(
+                    sharding.constrain(jnp.concatenate(parts), sharding.stack_spec)
+                )
+            return balance, stacked_noise
+
+        def damping_scales(tensors):
+            """Per stack, each unit's mean|x| over its parameter (its layer, with
+            independent_scanned_layers): the scale of the damping noise."""
+            means = []
+            for x, plan, lead in zip(tensors, plans, leads, strict=True):
+                if x.size == 0:  # in no stack
+                    means.append(None)
+                    continue
+                magnitude = jnp.abs(x)
+                magnitude = magnitude.astype(
+                    jnp.promote_types(magnitude.dtype, jnp.float32)
+                )
+                if independent_scanned_layers and lead:
+                    mean = jnp.mean(magnitude.reshape(lead[0], -1), axis=1)
+                else:
+                    mean = jnp.broadcast_to(jnp.mean(magnitude), lead)
+                means.append(jnp.repeat(mean, math.prod(plan.blocks_per_axis)))
+            out = []
+            for stack in stacks:
+                parts = [means[i] for i in stack.members]
+                padding = len(stack.extents) - stack.real_units
+                parts.append(jnp.zeros(padding, parts[0].dtype))
+                out.append(jnp.concatenate(parts))
+            return out
+
         def fit(preconditioner_state, mu_hat_stacks, newton):
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
+            key = _fit_key(seed, count)
             if newton is not None:  # fit P to the pairs (H·v, v)
                 hvp, vector = (
                     stacked(jax.tree.leaves(newton[name])) for name in ("Hvp", "vector")
@@ -644,8 +814,22 @@ def scale_by_kron(
                 return fit_stacks(
                     stacks, sharding, *preconditioner_state, hvp, key, vector
                 )
-            targets = mu_hat_stacks if momentum_into_precond_update else stacked(grads)
-            return fit_stacks(stacks, sharding, *preconditioner_state, targets, key)
+            if momentum_into_precond_update:
+                targets, sources = mu_hat_stacks, mu_hats
+            else:
+                targets, sources = stacked(grads), grads
+            drawn = None
+            if noise_draws == "distributed_kron":
+                drawn = seed_layout_draws(sources)
+            return fit_stacks(
+                stacks,
+                sharding,
+                *preconditioner_state,
+                targets,
+                key,
+                damping_stacks=damping_scales(sources),
+                drawn=drawn,
+            )
 
         def keep(preconditioner_state, *_):
             factors, lipschitz = preconditioner_state
@@ -690,8 +874,8 @@ def scale_by_kron(
             if U is None:  # a parameter with no entries
                 new_updates.append(jnp.zeros_like(g))
                 continue
-            # RMS clip per parameter (per layer of a scanned one).
-            axes = tuple(range(len(lead), U.ndim))
+            # RMS clip per parameter (per layer with independent_scanned_layers).
+            axes = tuple(range(len(lead) if independent_scanned_layers else 0, U.ndim))
             power = km.squared_magnitude(U) if km.is_complex(U) else jnp.square(U)
             rms = jnp.sqrt(jnp.mean(power, axis=axes, keepdims=True))
             U = jnp.where(finite, U / jnp.maximum(1.0, rms / MAX_UPDATE_RMS), 0)
@@ -709,11 +893,13 @@ def scale_by_kron(
             new_state,
         )
 
+    # For the state converters (kron_state_from_distributed_kron and back).
+    init_fn.layout = _StateLayout(plan_tree, stored, factor_of)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def kron(
-    learning_rate: float | Callable = 0.001,
+    learning_rate: float | Callable = 0.0003,
     b1: float = 0.9,
     weight_decay: float = 0.0,
     weight_decay_mask: Any | Callable | None = None,
@@ -724,7 +910,6 @@ def kron(
     max_size_triangular: int = 8192,
     min_ndim_triangular: int = 2,
     memory_save_mode: str | None = None,
-    momentum_into_precond_update: bool = True,
     preconditioner_lr: float = 0.1,
     preconditioner_init_scale: float = 1.0,
     mu_dtype: Any | None = None,
@@ -734,17 +919,21 @@ def kron(
     scanned_layers: Any | Callable | None = None,
     lax_map_scanned_layers: bool = False,
     lax_map_batch_size: int = 8,
-    merge_small_dims: bool = False,
-    target_merged_dim_size: int = 2048,
-    partition_grads_into_blocks: bool = False,
+    merge_small_dims: bool = True,
+    target_merged_dim_size: int = 4096,
+    partition_grads_into_blocks: bool = True,
     block_size: int = 256,
     params_partition_specs: Any | None = None,
     preconditioner_partition_spec: PartitionSpec | None = None,
     *,
+    momentum_into_precond_update: bool = True,
     mesh: jax.sharding.Mesh | None = None,
     preconditioner_cache: str | None = "packed",
     preconditioner_update_style: str = "EQ",
     seed: int = 42,
+    merge_rule: str = "balanced",
+    independent_scanned_layers: bool = False,
+    noise_draws: str = "per_block",
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD Kron: ``chain(scale_by_kron, add_decayed_weights, scale_by_learning_rate)``.
 
@@ -802,6 +991,9 @@ def kron(
         preconditioner_cache=preconditioner_cache,
         preconditioner_update_style=preconditioner_update_style,
         seed=seed,
+        merge_rule=merge_rule,
+        independent_scanned_layers=independent_scanned_layers,
+        noise_draws=noise_draws,
     )
     return with_decay_and_learning_rate(
         core, learning_rate, weight_decay, weight_decay_mask
@@ -809,9 +1001,9 @@ def kron(
 
 
 def get_opt_state_partition_specs(
-    params: Any, scale_by_kron_only: bool = False, **kron_kwargs: Any
+    params: Any, scale_by_kron_only: bool = False, **kwargs: Any
 ) -> Any:
-    """The PartitionSpec of every leaf of the state of ``kron(**kron_kwargs)``.
+    """The PartitionSpec of every leaf of the state of ``kron(**kwargs)``.
 
     For ``jax.jit(..., out_shardings=...)`` or a checkpointer's restore targets:
     momentum follows its parameter, every stack of factors is split along its unit
@@ -821,9 +1013,9 @@ def get_opt_state_partition_specs(
 
     Args:
         params: the parameters (or their shapes).
-        scale_by_kron_only: the state of ``scale_by_kron(**kron_kwargs)`` instead
+        scale_by_kron_only: the state of ``scale_by_kron(**kwargs)`` instead
             (``kron``'s own arguments, such as ``learning_rate``, are ignored).
-        **kron_kwargs: the arguments given to ``kron``.
+        **kwargs: the arguments given to ``kron`` (or ``scale_by_kron``).
 
     Example:
         >>> kwargs = dict(params_partition_specs=specs,
@@ -833,17 +1025,17 @@ def get_opt_state_partition_specs(
     """
     if scale_by_kron_only:
         for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
-            kron_kwargs.pop(name, None)
+            kwargs.pop(name, None)
     factory = scale_by_kron if scale_by_kron_only else kron
     sharding = partition_specs_only(
         params,
-        params_partition_specs=kron_kwargs.get("params_partition_specs"),
-        preconditioner_partition_spec=kron_kwargs.get("preconditioner_partition_spec"),
-        mesh=kron_kwargs.get("mesh"),
+        params_partition_specs=kwargs.get("params_partition_specs"),
+        preconditioner_partition_spec=kwargs.get("preconditioner_partition_spec"),
+        mesh=kwargs.get("mesh"),
     )
     # The state's structure does not depend on the sharding: trace it without.
     unsharded = dict(
-        kron_kwargs,
+        kwargs,
         params_partition_specs=None,
         preconditioner_partition_spec=None,
         mesh=None,
@@ -864,4 +1056,151 @@ def get_opt_state_partition_specs(
         lambda x: kron_specs(x) if isinstance(x, KronState) else PartitionSpec(),
         shapes,
         is_leaf=lambda x: isinstance(x, KronState),
+    )
+
+
+def _split_chain_state(state: Any) -> tuple[Any, Callable]:
+    """The scale_by_kron state inside ``state`` (itself, or the first member of a
+    ``kron`` chain's tuple) and a function that puts a replacement back."""
+    if isinstance(state, tuple | list) and not isinstance(state, KronState):
+        return state[0], lambda first: type(state)((first, *state[1:]))
+    return state, lambda first: first
+
+
+def _core_arguments(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k not in KRON_ALIAS_ARGS}
+
+
+def _seed_factor_sizes(plan: TensorPlan, blocked: bool, block_size: int) -> list:
+    """distributed-kron's factor size per axis: with blocking, every axis is
+    padded up to a multiple of ``block_size`` (cut ones to exactly one block)."""
+    if not blocked:
+        return list(plan.block_shape)
+    return [
+        b if (not diagonal and d > block_size) else -(-d // block_size) * block_size
+        for d, b, diagonal in zip(
+            plan.shape, plan.block_shape, plan.diagonal, strict=True
+        )
+    ]
+
+
+def kron_state_from_distributed_kron(
+    state: Any, params: Any, **kwargs: Any
+) -> KronState | tuple:
+    """Converts a distributed-kron 1.0.0 state (its dict, or its ``kron`` chain's
+    tuple, e.g. from a checkpoint) into the state of ``kron(**kwargs)`` (or of
+    ``scale_by_kron``, for a dict alone).
+
+    ``kwargs`` are the arguments the state was made with (and precond's own, e.g.
+    ``merge_rule='distributed_kron'`` for its factor shapes). Counts and momentum
+    are copied; each factor Q is copied into precond's layout. Where
+    distributed-kron padded an axis up to a multiple of ``block_size``, the
+    factor's leading part is kept (Q is upper triangular, so that part alone
+    determines the preconditioner of the real entries). Only the 'EQ' style
+    (distributed-kron's) has an equivalent state.
+
+    Example:
+        >>> state = kron_state_from_distributed_kron(
+        ...     old_state, params, merge_rule="distributed_kron")  # doctest: +SKIP
+    """
+    seed_state, put_back = _split_chain_state(state)
+    core = _core_arguments(kwargs)
+    transform = scale_by_kron(**core)
+    template = transform.init(params)
+    if not isinstance(template.preconditioners, tuple):  # no parameters
+        return put_back(template)
+    treedef, _, stacks, _ = transform.init.layout.plan_tree(params)
+    seed_factors = treedef.flatten_up_to(seed_state["Qs_preconditioners"])
+    factors = []
+    for stack, stored_stack in zip(stacks, template.preconditioners, strict=True):
+        axes = []
+        for axis, array in enumerate(stored_stack):
+            size, diagonal = stack.block_shape[axis], stack.diagonal[axis]
+            q_ndim = 1 if diagonal else 2
+            parts = []
+            for i in stack.members:
+                Q = jnp.asarray(seed_factors[i][axis])
+                Q = Q.reshape(-1, *Q.shape[Q.ndim - q_ndim :])
+                parts.append(Q[(slice(None), *[slice(0, size)] * q_ndim)])
+            Q = jnp.concatenate(parts).astype(array.dtype)
+            if not diagonal:
+                Q = jax.vmap(transform.init.layout.stored)(Q)
+            axes.append(array.at[: len(Q)].set(Q.astype(array.dtype)))
+        factors.append(tuple(axes))
+    mu = seed_state["mu"]
+    if template.mu is not None:
+        mu = jax.tree.map(lambda m, t: jnp.asarray(m, t.dtype), mu, template.mu)
+    return put_back(
+        template._replace(
+            count=jnp.asarray(seed_state["count"], jnp.int32),
+            mu=mu if template.mu is not None else None,
+            preconditioners=tuple(factors),
+            update_counter=jnp.asarray(seed_state["update_counter"], jnp.int32),
+        )
+    )
+
+
+def kron_state_to_distributed_kron(
+    state: Any, params: Any, **kwargs: Any
+) -> dict | tuple:
+    """Converts the state of ``kron(**kwargs)`` (or of ``scale_by_kron``) into
+    distributed-kron 1.0.0's layout: ``dict(count, mu, Qs_preconditioners,
+    update_counter)``, its factors a tree like the params of per-axis lists of
+    arrays shaped (layers?, blocks?, *factor). The inverse of
+    :func:`kron_state_from_distributed_kron`; where distributed-kron pads an axis
+    up to a multiple of ``block_size``, the padding gets its initial factor
+    (identity times ``preconditioner_init_scale``^{1/k}). Only the 'EQ' style."""
+    kron_state, put_back = _split_chain_state(state)
+    core = _core_arguments(kwargs)
+    transform = scale_by_kron(**core)
+    if core.get("preconditioner_update_style", "EQ") != "EQ":
+        raise ValueError(
+            "Invalid preconditioner_update_style="
+            f"{core['preconditioner_update_style']!r}: must be 'EQ' for a "
+            "distributed-kron state"
+        )
+    parameters = inspect.signature(scale_by_kron).parameters
+    options = {k: core.get(k, parameters[k].default) for k in parameters}
+    treedef, plans, stacks, _ = transform.init.layout.plan_tree(params)
+    param_leaves = treedef.flatten_up_to(params)
+    leads = [p.lead(x.shape) for p, x in zip(plans, param_leaves, strict=True)]
+    blocked = options["partition_grads_into_blocks"]
+    per_parameter_factors: list[list] = [[] for _ in plans]
+    for stack, stored_stack in zip(stacks, kron_state.preconditioners, strict=True):
+        start = 0
+        for i in stack.members:
+            plan = plans[i]
+            units = math.prod(leads[i]) * math.prod(plan.blocks_per_axis)
+            sizes = _seed_factor_sizes(plan, blocked, options["block_size"])
+            scale = float(options["preconditioner_init_scale"]) ** (1 / len(sizes))
+            unit_axes = leads[i] + (
+                (math.prod(plan.blocks_per_axis),) if blocked else ()
+            )
+            for axis, array in enumerate(stored_stack):
+                F = array[start : start + units]
+                size, target = stack.block_shape[axis], sizes[axis]
+                if stack.diagonal[axis]:
+                    Q = F.astype(jnp.float32 if not km.is_complex(F) else F.dtype)
+                    Q = jnp.pad(Q, [(0, 0), (0, target - size)], constant_values=scale)
+                else:
+                    Q = jax.vmap(transform.init.layout.factor_of)(F)
+                    padding = scale * jnp.eye(target, dtype=Q.dtype)
+                    Q = (
+                        jnp.broadcast_to(padding, (units, target, target))
+                        .at[:, :size, :size]
+                        .set(Q)
+                    )
+                dtype = jnp.dtype(options["precond_dtype"] or jnp.float32)
+                per_parameter_factors[i].append(
+                    Q.astype(dtype).reshape(*unit_axes, *Q.shape[1:])
+                )
+            start += units
+    mu = kron_state.mu
+    return put_back(
+        {
+            "count": kron_state.count,
+            "mu": mu,
+            "Qs_preconditioners": treedef.unflatten(per_parameter_factors),
+            "update_counter": kron_state.update_counter,
+        }
     )
