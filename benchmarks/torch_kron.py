@@ -180,6 +180,14 @@ def kron(params, probability: float, compiled: bool) -> Kron:
         weight_decay=WEIGHT_DECAY,
         preconditioner_update_probability=probability,
         compile_kernels=compiled,
+        # precond's rules when BENCHMARKS.md's figures were recorded (before
+        # kron-torch 0.1.0's defaults): RMS clipping, damping noise, no skew rule,
+        # float32 factors, triangular factors from 2-D.
+        update_clipping="rms",
+        damping=True,
+        max_skew_triangular=float("inf"),
+        min_ndim_triangular=2,
+        precond_dtype=torch.float32,
     )
 
 

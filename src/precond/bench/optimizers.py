@@ -207,13 +207,27 @@ def _make_sgd(learning_rate, weight_decay: float):
 
 
 def _make_torch_kron(model, lr: float, weight_decay: float) -> TorchOptimizer:
-    from precond.torch import Kron
+    import torch
 
+    from precond.torch import Kron
+    from precond.torch.kron import precond_update_prob_schedule
+
+    # The rules the recorded figures were measured with (precond's, before torch
+    # Kron took kron-torch 0.1.0's defaults): RMS clipping, no skew rule, float32
+    # factors, triangular factors from 2-D, the schedule flat for 500 steps (as
+    # precond.jax.kron's).
     return TorchOptimizer(
         Kron(
             model.parameters(),
             lr=lr,
             weight_decay=weight_decay,
+            preconditioner_update_probability=precond_update_prob_schedule(
+                flat_start=500
+            ),
+            max_skew_triangular=float("inf"),
+            min_ndim_triangular=2,
+            precond_dtype=torch.float32,
+            update_clipping="rms",
             preconditioner_update_style="QUAD",
         )
     )
