@@ -132,6 +132,7 @@ CONFIGS = {
     "adagrad-memory": dict(
         graft_type=pj.GraftingType.ADAGRAD,
         best_effort_memory_usage_reduction=True,
+        quantize_statistics=True,
         weight_decay=1e-3,
     ),
     "sqrt_n-every-2": dict(
@@ -260,7 +261,9 @@ def _mesh():
 
 SHARDED_MODES = {
     "stored-and-computed": dict(
-        shard_optimizer_states=True, preconditioner_partition_spec=P("data", None, None)
+        shard_optimizer_states=True,
+        preconditioner_partition_spec=P("data", None, None),
+        sharded_init_fns=False,  # init returns the state, not the seed's triple
     ),
     "computed-only": dict(preconditioner_partition_spec=P("data", None, None)),
 }
@@ -303,13 +306,18 @@ def test_sharded_memory_mode_trains_like_unsharded_memory_mode():
     without quantization) can flip an int16 rounding, a relative change of 3e-5
     in a statistic that the roots amplify (measured: up to 2.4e-3 of the movement).
     """
-    kwargs = dict(start_preconditioning_step=1, best_effort_memory_usage_reduction=True)
+    kwargs = dict(
+        start_preconditioning_step=1,
+        best_effort_memory_usage_reduction=True,
+        quantize_statistics=True,  # int16 statistics outside pmap too
+    )
     want, _ = _run(pj.distributed_shampoo(0.01, 128, **kwargs), PARAMS, 6)
     with jax.set_mesh(_mesh()):
         optimizer = pj.distributed_shampoo(
             0.01,
             128,
             shard_optimizer_states=True,
+            sharded_init_fns=False,
             statistics_partition_spec=P("data", None, None),
             **kwargs,
         )
@@ -337,6 +345,7 @@ def test_partition_specs_and_shapes_describe_the_state():
         shard_optimizer_states=True,
         preconditioner_partition_spec=P("data", None, None),
         best_effort_memory_usage_reduction=True,
+        quantize_statistics=True,
         graft_type=pj.GraftingType.ADAGRAD,
     )
     param_specs = {"w": P(), "b": P(), "c": P(None, None, "data"), "s": P()}
@@ -365,7 +374,9 @@ def test_partition_specs_and_shapes_describe_the_state():
         shardings = jax.tree.map(
             lambda s: NamedSharding(_mesh(), s), specs, is_leaf=is_spec
         )
-        state = jax.jit(optimizer.init, out_shardings=shardings)(BLOCKED_PARAMS)
+        # The seed's pattern: init gives (init_fn, pspec_fn, shape_and_dtype_fn).
+        init_fn = optimizer.init(None).init_fn
+        state = jax.jit(init_fn, out_shardings=shardings)(BLOCKED_PARAMS)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(
         lambda x: (x.shape, x.dtype), shapes
     )
@@ -474,7 +485,11 @@ def test_memory_mode_trains_close_to_float32():
     want, full = _regression_losses(pj.distributed_shampoo(0.01, 128, **kwargs))
     got, small = _regression_losses(
         pj.distributed_shampoo(
-            0.01, 128, best_effort_memory_usage_reduction=True, **kwargs
+            0.01,
+            128,
+            best_effort_memory_usage_reduction=True,
+            quantize_statistics=True,
+            **kwargs,
         )
     )
     assert want[-1] < 0.2 * want[0], "the float32 run should learn"
@@ -643,6 +658,7 @@ def test_one_bad_gradient_never_poisons_the_state(graft, memory):
         start_preconditioning_step=1,
         graft_type=graft,
         best_effort_memory_usage_reduction=memory,
+        quantize_statistics=memory,
     )
     run = _bad_step_run(optimizer)
     _, (losses, finite, skipped), _ = run(-1, *_bad_gradient(0.0))
@@ -730,6 +746,7 @@ def test_empty_scalar_size_one_and_long_parameters(memory):
         beta1=0.0,
         start_preconditioning_step=1,
         best_effort_memory_usage_reduction=memory,
+        quantize_statistics=memory,
     )
     state = optimizer.init(ODD_PARAMS)
     update = jax.jit(optimizer.update)
@@ -791,7 +808,7 @@ MISMATCHED_STATES = {
         "where .diagonal_statistics['b'] belongs",
     ),
     "quantized": (
-        dict(best_effort_memory_usage_reduction=True),
+        dict(best_effort_memory_usage_reduction=True, quantize_statistics=True),
         PARAMS,
         "it has .momentum['conv'].values where .momentum['conv'] belongs",
     ),
@@ -829,6 +846,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
         start_preconditioning_step=1,
         preconditioning_compute_steps=2,
         best_effort_memory_usage_reduction=True,
+        quantize_statistics=True,
         graft_type=pj.GraftingType.RMSPROP,
     )
     update = jax.jit(optimizer.update)

@@ -115,8 +115,33 @@ def _scaled_up(root: jax.Array, exponent: jax.Array, p: int) -> jax.Array:
     return root * jnp.exp2(-exponent.astype(root.dtype) / p)
 
 
-def _relative_ridge(ridge_epsilon, top_eigenvalue):
+def _relative_ridge(ridge_epsilon, top_eigenvalue, relative: bool = True):
+    """ε·max(λ_max, 1e-6), or ε·1 when the ridge is absolute (``relative=False``)."""
+    if not relative:
+        top_eigenvalue = jnp.ones_like(top_eigenvalue)
     return ridge_epsilon * jnp.maximum(top_eigenvalue, LAMBDA_FLOOR)
+
+
+def _inverse_root_gap(ridge, low, high, p: int):
+    """(ridge + low)^{-1/p} − (ridge + high)^{-1/p} >= 0 for low <= high, without
+    the cancellation of subtracting two close powers: with a = ridge + low and
+    d = high − low, it is a^{-1/p}·(1 − (1 + d/a)^{-1/p})
+    = −a^{-1/p}·expm1(−log1p(d/a)/p), accurate for small and large d/a alike."""
+    a = ridge + low
+    return -(a ** (-1.0 / p)) * jnp.expm1(-jnp.log1p((high - low) / a) / p)
+
+
+def _top_eigenpairs(matrix: jax.Array, k: int, iterations: int):
+    """(λ, V): the k largest eigenpairs of a symmetric PSD matrix by LOBPCG,
+    started from the first k unit vectors (deterministic on every device)."""
+    from jax.experimental.sparse import linalg as sparse_linalg
+
+    n = matrix.shape[-1]
+    start = jnp.eye(n, k, dtype=matrix.dtype)
+    eigenvalues, vectors, _ = sparse_linalg.lobpcg_standard(
+        matrix, start, iterations or k
+    )
+    return eigenvalues, vectors
 
 
 def matrix_inverse_pth_root(
@@ -126,6 +151,9 @@ def matrix_inverse_pth_root(
     ridge_epsilon: float = 1e-6,
     error_tolerance: float = 1e-6,
     precision=lax.Precision.HIGHEST,
+    relative_matrix_epsilon: bool = True,
+    lobpcg_topk_precondition: int = 0,
+    lobpcg_max_iter: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """(A + ε'I)^{-1/p} of a symmetric PSD matrix by the coupled Newton iteration.
 
@@ -141,6 +169,14 @@ def matrix_inverse_pth_root(
     the root multiplied by 2^{-k/p} (exact up to rounding), so statistics up to
     the dtype's largest value get finite roots.
 
+    With ``relative_matrix_epsilon=False`` the ridge is ε itself. With
+    ``lobpcg_topk_precondition`` = k > 0, the k largest eigenpairs (λ_i, v_i) of
+    A (LOBPCG, ``lobpcg_max_iter`` iterations, default k) are deflated first,
+    A_d = A − Σ (λ_i − λ_k)·v_i·v_iᵀ (λ_k the smallest of them; the ridge then
+    uses λ_max = max λ_i), the iteration runs on A_d, and the root is inflated
+    back: H = H_d − Σ ((ε'+λ_k)^{-1/p} − (ε'+λ_i)^{-1/p})·v_i·v_iᵀ. The error is
+    then measured on the result, max|H^p·(A + ε'I) − I|.
+
     Args:
         matrix: (n, n) symmetric PSD matrix.
         p: the root, a static Python int >= 1.
@@ -155,8 +191,23 @@ def matrix_inverse_pth_root(
     """
     n = matrix.shape[-1]
     work, exponent = _scaled_down(matrix.astype(root_dtype()))
-    _, top = power_iteration(work, error_tolerance=1e-6, precision=precision)
-    ridge = _relative_ridge(ridge_epsilon, top)
+    deflated = None
+    # LOBPCG needs more than 5k rows; smaller statistics are rooted as they are.
+    if 0 < 5 * lobpcg_topk_precondition < n:
+        eigenvalues, vectors = _top_eigenpairs(
+            work, lobpcg_topk_precondition, lobpcg_max_iter
+        )
+        smallest = jnp.min(eigenvalues)
+        deflation = jnp.sqrt(eigenvalues - smallest) * vectors
+        undeflated = work
+        work = work - _matmul(deflation, deflation.T, lax.Precision.HIGHEST)
+        top = jnp.max(eigenvalues)
+        deflated = (undeflated, eigenvalues, vectors, smallest)
+    elif relative_matrix_epsilon:
+        _, top = power_iteration(work, error_tolerance=1e-6, precision=precision)
+    else:
+        top = jnp.ones((), work.dtype)
+    ridge = _relative_ridge(ridge_epsilon, top, relative_matrix_epsilon)
     if n == 1:
         root = _scaled_up((work + ridge) ** (-1.0 / p), exponent, p)
         return root.astype(matrix.dtype), jnp.zeros((), jnp.float32)
@@ -181,8 +232,20 @@ def matrix_inverse_pth_root(
 
     carry = (0, m0, h0, h0, e0, jnp.asarray(True))
     _, m, h, previous_h, _, improving = lax.while_loop(keep_going, step, carry)
-    root = _scaled_up(jnp.where(improving, h, previous_h), exponent, p)
+    root = jnp.where(improving, h, previous_h)
     error = jnp.max(jnp.abs(m - identity)).astype(jnp.float32)
+    if deflated is not None:
+        undeflated, eigenvalues, vectors, smallest = deflated
+        gap = _inverse_root_gap(ridge, smallest, eigenvalues, p)
+        inflation = jnp.sqrt(gap) * vectors
+        root = root - _matmul(inflation, inflation.T, lax.Precision.HIGHEST)
+        residual = _matmul(
+            _matrix_power(root, p, lax.Precision.HIGHEST),
+            undeflated + ridge * identity,
+            lax.Precision.HIGHEST,
+        )
+        error = jnp.max(jnp.abs(residual - identity)).astype(jnp.float32)
+    root = _scaled_up(root, exponent, p)
     return root.astype(matrix.dtype), error
 
 
@@ -191,8 +254,10 @@ def matrix_inverse_pth_root_eigh(
     p: int,
     ridge_epsilon: float = 1e-6,
     precision=lax.Precision.HIGHEST,
+    relative_matrix_epsilon: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """(A + ε'I)^{-1/p} by an eigendecomposition, ε' = ε·max(λ_max, 1e-6).
+    """(A + ε'I)^{-1/p} by an eigendecomposition, ε' = ε·max(λ_max, 1e-6) (ε'
+    = ε with ``relative_matrix_epsilon=False``).
 
     A = U·diag(λ)·Uᵀ gives H = U·diag((max(λ, 0) + ε')^{-1/p})·Uᵀ (rounding can
     make the smallest λ slightly negative; they are clipped at 0). Slower than
@@ -208,7 +273,7 @@ def matrix_inverse_pth_root_eigh(
     """
     work, exponent = _scaled_down(matrix.astype(root_dtype()))
     eigenvalues, vectors = jnp.linalg.eigh(work)
-    ridge = _relative_ridge(ridge_epsilon, eigenvalues[-1])
+    ridge = _relative_ridge(ridge_epsilon, eigenvalues[-1], relative_matrix_epsilon)
     scales = (jnp.maximum(eigenvalues, 0) + ridge) ** (-1.0 / p)
     root = _scaled_up(_matmul(vectors * scales, vectors.T, precision), exponent, p)
     rebuilt = _matmul(vectors * eigenvalues, vectors.T, precision)

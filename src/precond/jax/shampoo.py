@@ -60,6 +60,8 @@ from precond.jax._shampoo_math import (
 __all__ = [
     "SHAMPOO_STATIC_ARGS",
     "GraftingType",
+    "InitFnState",
+    "PreconditionerType",
     "ShampooState",
     "TrainingMetrics",
     "distributed_shampoo",
@@ -79,6 +81,15 @@ class GraftingType(enum.IntEnum):
     ADAGRAD_NORMALIZED = 6
 
 
+class PreconditionerType(enum.IntEnum):
+    """Which axes of each (merged) block get a preconditioner (Google's newer
+    ``precondtioner_type`` argument); rank-1 blocks always get one."""
+
+    ALL = 1  # every axis
+    INPUT = 2  # every axis but the last (the last is taken as the output axis)
+    OUTPUT = 3  # the last axis only
+
+
 class TrainingMetrics(NamedTuple):
     """What the optimizer reports about itself; a field of :class:`ShampooState`."""
 
@@ -86,6 +97,18 @@ class TrainingMetrics(NamedTuple):
     # statistic's latest inverse root (NaN or >= inverse_failure_threshold: the
     # root failed and the previous preconditioner was kept).
     inverse_pth_root_errors: Any
+
+
+class InitFnState(NamedTuple):
+    """What ``init`` returns with ``shard_optimizer_states`` (the seed's triple):
+    ``init_fn(params)`` gives the state, ``pspec_fn(params, params_partition_spec,
+    partition_spec_for_statistics=None)`` its partition specs (for
+    ``jax.jit(init_fn, out_shardings=...)``) and ``shape_and_dtype_fn(params)``
+    its shapes and dtypes."""
+
+    init_fn: Callable
+    pspec_fn: Callable
+    shape_and_dtype_fn: Callable
 
 
 class ShampooState(NamedTuple):
@@ -124,7 +147,21 @@ SHAMPOO_STATIC_ARGS = (
     "skip_preconditioning_dim_size_gt",
     "clip_by_scaled_gradient_norm",
     "precision",
+    "tensordot_precision",
+    "relative_matrix_epsilon",
+    "merge_small_dims_block_size",
+    "lobpcg_topk_precondition",
+    "lobpcg_max_iter",
+    "precondtioner_type",
+    "skip_preconditioning_rank_lt",
+    "decoupled_learning_rate",
+    "decoupled_weight_decay",
+    "generate_training_metrics",
+    "reuse_preconditioner",
     "eigh",
+    "separate_grafting_momentum",
+    "quantize_statistics",
+    "sharded_init_fns",
 )
 _PRECISIONS = {
     "default": lax.Precision.DEFAULT,
@@ -161,7 +198,39 @@ class _Config(NamedTuple):
     skip_preconditioning_dim_size_gt: int
     clip_by_scaled_gradient_norm: Any
     precision: lax.Precision
+    tensordot_precision: Any
+    relative_matrix_epsilon: bool
+    merge_small_dims_block_size: int | None
+    lobpcg_topk_precondition: int
+    lobpcg_max_iter: int
+    precondtioner_type: PreconditionerType
+    skip_preconditioning_rank_lt: int
+    decoupled_learning_rate: bool
+    decoupled_weight_decay: bool
+    generate_training_metrics: bool
+    reuse_preconditioner: bool
     eigh: bool
+    separate_grafting_momentum: bool
+    quantize_statistics: bool | None
+    sharded_init_fns: bool
+
+    @property
+    def statistics_quantized(self) -> bool:
+        """int16 statistics and roots: asked for, or (by default) memory mode
+        inside shard_map/pmap (``batch_axis_name``), where Google's code does it."""
+        if self.quantize_statistics is not None:
+            return self.quantize_statistics
+        return self.best_effort_memory_usage_reduction and (
+            self.batch_axis_name is not None
+        )
+
+    @property
+    def gram_precision(self):
+        """Precision of the statistics' products: ``tensordot_precision``, else
+        ``precision``."""
+        if self.tensordot_precision is None:
+            return self.precision
+        return self.tensordot_precision
 
     @property
     def has_diagonal_statistics(self) -> bool:
@@ -169,7 +238,7 @@ class _Config(NamedTuple):
 
     @property
     def has_diagonal_momentum(self) -> bool:
-        return self.graft_type != GraftingType.SQRT_N
+        return self.graft_type != GraftingType.SQRT_N or self.separate_grafting_momentum
 
     @property
     def stack_multiple(self) -> int:
@@ -216,6 +285,15 @@ def _check_stack_spec(name: str, value) -> None:
         )
 
 
+def _check_reuse_preconditioner(name: str, value) -> None:
+    check_bool(name, value)
+    if value:
+        raise NotImplementedError(
+            f"Invalid {name}={value!r}: must be False (warm-starting the inverse "
+            "root from the previous preconditioner is not implemented)"
+        )
+
+
 _positive = functools.partial(check_real, low=0.0, low_inclusive=False)
 # Every argument of distributed_shampoo and its check, in signature order. Numbers
 # may be arrays (traced under optax.inject_hyperparams); int arguments fix shapes
@@ -248,7 +326,23 @@ _ARGUMENT_CHECKS = {
     "skip_preconditioning_dim_size_gt": functools.partial(check_int, low=1),
     "clip_by_scaled_gradient_norm": _optional(_positive),
     "precision": _check_precision,
+    "tensordot_precision": _check_precision,
+    "relative_matrix_epsilon": check_bool,
+    "merge_small_dims_block_size": _optional(functools.partial(check_int, low=1)),
+    "lobpcg_topk_precondition": functools.partial(check_int, low=0),
+    "lobpcg_max_iter": functools.partial(check_int, low=0),
+    "precondtioner_type": functools.partial(
+        check_choice, choices=[*PreconditionerType, *range(1, 4)]
+    ),
+    "skip_preconditioning_rank_lt": functools.partial(check_int, low=0),
+    "decoupled_learning_rate": check_bool,
+    "decoupled_weight_decay": check_bool,
+    "generate_training_metrics": check_bool,
+    "reuse_preconditioner": _check_reuse_preconditioner,
     "eigh": check_bool,
+    "separate_grafting_momentum": check_bool,
+    "quantize_statistics": _optional(check_bool),
+    "sharded_init_fns": check_bool,
 }
 
 
@@ -256,8 +350,10 @@ def _validated(**args) -> _Config:
     for name, check in _ARGUMENT_CHECKS.items():
         check(name, args[name])
     args["graft_type"] = GraftingType(args["graft_type"])
-    if isinstance(args["precision"], str):
-        args["precision"] = _PRECISIONS[args["precision"].lower()]
+    args["precondtioner_type"] = PreconditionerType(args["precondtioner_type"])
+    for name in ("precision", "tensordot_precision"):
+        if isinstance(args[name], str):
+            args[name] = _PRECISIONS[args[name].lower()]
     if args["shard_optimizer_states"]:
         if (
             args["statistics_partition_spec"]
@@ -300,15 +396,12 @@ class _ParameterPlan(NamedTuple):
     merged_shape: tuple[int, ...]
     groups: tuple[_BlockGroup, ...]
     exponent: int
+    axes: tuple[int, ...]  # the merged axes that get a preconditioner
 
     @property
     def entries(self) -> list[tuple[int, int]]:
         """(group, axis) of each statistic entry, in state order."""
-        return [
-            (g, k)
-            for g, group in enumerate(self.groups)
-            for k in range(len(group.block_shape))
-        ]
+        return [(g, k) for g in range(len(self.groups)) for k in self.axes]
 
 
 def _axis_segments(d: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -326,13 +419,16 @@ def _plan_parameter(shape: tuple[int, ...], config: _Config) -> _ParameterPlan |
     """How a parameter is blocked, or None when it is not preconditioned (a
     scalar, an empty tensor, or a dim above ``skip_preconditioning_dim_size_gt``)."""
     if (
-        len(shape) < 1
+        len(shape) < max(config.skip_preconditioning_rank_lt, 1)
         or math.prod(shape) == 0
         or max(shape) > config.skip_preconditioning_dim_size_gt
     ):
         return None
+    merge_limit = config.merge_small_dims_block_size
+    if merge_limit is None:
+        merge_limit = config.block_size
     merged = (
-        merge_small_dims(shape, config.block_size)
+        merge_small_dims(shape, merge_limit)
         if config.best_effort_shape_interpretation
         else tuple(shape)
     )
@@ -346,8 +442,16 @@ def _plan_parameter(shape: tuple[int, ...], config: _Config) -> _ParameterPlan |
             *(_axis_segments(d, config.block_size) for d in merged)
         )
     )
-    exponent = config.exponent_override or 2 * len(merged)
-    return _ParameterPlan(merged, groups, exponent)
+    rank = len(merged)
+    kind = config.precondtioner_type
+    if kind == PreconditionerType.ALL or rank <= 1:
+        axes = tuple(range(rank))
+    elif kind == PreconditionerType.INPUT:
+        axes = tuple(range(rank - 1))
+    else:
+        axes = (rank - 1,)
+    exponent = config.exponent_override or 2 * len(axes)
+    return _ParameterPlan(merged, groups, exponent, axes)
 
 
 class _Layout(NamedTuple):
@@ -364,11 +468,10 @@ def _layout(shapes: list[tuple[int, ...]], config: _Config) -> _Layout:
     plans = tuple(_plan_parameter(tuple(s), config) for s in shapes)
     keys = sorted(
         {
-            (group.block_shape[k], plan.exponent)
+            (plan.groups[g].block_shape[k], plan.exponent)
             for plan in plans
             if plan is not None
-            for group in plan.groups
-            for k in range(len(group.block_shape))
+            for g, k in plan.entries
         }
     )
     rows = dict.fromkeys(keys, 0)
@@ -434,23 +537,27 @@ def _letters(rank: int) -> str:
     return string.ascii_lowercase[:rank]
 
 
-def _block_grams(blocks: jax.Array, precision) -> list[jax.Array]:
-    """Per axis k: (count, n_k, n_k) = Σ over all other axes of G_b·G_bᵀ."""
+def _block_grams(blocks: jax.Array, axes, precision) -> dict[int, jax.Array]:
+    """Per axis k in ``axes``: (count, n_k, n_k) = Σ over the other axes of
+    G_b·G_bᵀ."""
     letters = _letters(blocks.ndim - 1)
-    grams = []
-    for a in letters:
+    grams = {}
+    for k in axes:
+        a = letters[k]
         other = letters.replace(a, "A")
         spec = f"z{letters},z{other}->z{a}A"
-        grams.append(jnp.einsum(spec, blocks, blocks, precision=precision))
+        grams[k] = jnp.einsum(spec, blocks, blocks, precision=precision)
     return grams
 
 
 def _precondition_blocks(
-    blocks: jax.Array, roots: list[jax.Array], precision
+    blocks: jax.Array, axes, roots: list[jax.Array], precision
 ) -> jax.Array:
-    """G_b ×_0 P_0 ×_1 P_1 …: every axis a of the block contracted with P's rows."""
+    """G_b ×_0 P_0 ×_1 P_1 …: every preconditioned axis of the block contracted
+    with its P's rows (the other axes are left as they are)."""
     letters = _letters(blocks.ndim - 1)
-    for a, root in zip(letters, roots, strict=True):
+    for k, root in zip(axes, roots, strict=True):
+        a = letters[k]
         out = letters.replace(a, "A")
         blocks = jnp.einsum(
             f"z{letters},z{a}A->z{out}", blocks, root, precision=precision
@@ -474,8 +581,46 @@ def _store(x: jax.Array, like):
     return x.astype(like.dtype)
 
 
+def _load_momentum(x, shape) -> jax.Array:
+    """A momentum buffer as a float array of its parameter's ``shape``."""
+    if not isinstance(x, QuantizedArray):
+        return x
+    return jnp.moveaxis(dequantize(x), -2, 0) if len(shape) > 2 else dequantize(x)
+
+
+def _store_momentum(x: jax.Array, like):
+    """``x`` stored like ``like``. int8 momenta are quantized with one scale per
+    slice along the first axis (as Google's code): for rank > 2 the first axis is
+    moved to position -2, where :func:`quantize` takes its column maxima."""
+    if not isinstance(like, QuantizedArray):
+        return x.astype(like.dtype)
+    if x.ndim > 2:
+        x = jnp.moveaxis(x, 0, -2)
+    return quantize(x, like.values.dtype)
+
+
 def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedArray)
+
+
+def _explicit_axes(spec) -> bool:
+    """Whether ``spec`` lives on a mesh whose axes are ``AxisType.Explicit``
+    (sharding in types), where a sharding change must be a ``reshard``."""
+    mesh = (
+        spec.mesh
+        if isinstance(spec, jax.sharding.NamedSharding)
+        else jax.sharding.get_abstract_mesh()
+    )
+    types = getattr(mesh, "axis_types", ()) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _with_sharding(x: jax.Array, spec) -> jax.Array:
+    """``x`` laid out by ``spec``: a constraint on auto meshes, a reshard on
+    explicit ones (where a constraint only asserts)."""
+    if _explicit_axes(spec):
+        return jax.sharding.reshard(x, spec)
+    return lax.with_sharding_constraint(x, spec)
 
 
 def _constrain(x, spec):
@@ -483,7 +628,7 @@ def _constrain(x, spec):
     if spec is None:
         return x
     if not isinstance(x, QuantizedArray):
-        return lax.with_sharding_constraint(x, spec)
+        return _with_sharding(x, spec)
     if isinstance(spec, jax.sharding.NamedSharding):
         row_spec = jax.sharding.NamedSharding(spec.mesh, PartitionSpec(*spec.spec[:1]))
     elif isinstance(spec, PartitionSpec):
@@ -491,11 +636,9 @@ def _constrain(x, spec):
     else:
         row_spec = spec
     return QuantizedArray(
-        lax.with_sharding_constraint(x.values, spec),
-        lax.with_sharding_constraint(x.scales, row_spec),
-        None
-        if x.diagonal is None
-        else lax.with_sharding_constraint(x.diagonal, row_spec),
+        _with_sharding(x.values, spec),
+        _with_sharding(x.scales, row_spec),
+        None if x.diagonal is None else _with_sharding(x.diagonal, row_spec),
     )
 
 
@@ -506,10 +649,8 @@ def _replicate(x: jax.Array, config: _Config) -> jax.Array:
     if spec is None:
         return x
     if isinstance(spec, jax.sharding.NamedSharding):
-        return lax.with_sharding_constraint(
-            x, jax.sharding.NamedSharding(spec.mesh, PartitionSpec())
-        )
-    return lax.with_sharding_constraint(x, PartitionSpec())
+        return _with_sharding(x, jax.sharding.NamedSharding(spec.mesh, PartitionSpec()))
+    return _with_sharding(x, PartitionSpec())
 
 
 def _state_float_dtype(dtype) -> jnp.dtype:
@@ -519,7 +660,35 @@ def _state_float_dtype(dtype) -> jnp.dtype:
 # ------------------------------------------------------------------ the transform
 
 
+class _NotParams:
+    """Marks, in :func:`_params_placeholder_state`, a field that is not shaped
+    like the params (a leaf, so it prefixes the field's whole subtree)."""
+
+
+def _is_params_placeholder(params) -> bool:
+    """optax.tree.map_params calls ``init`` with a leafless placeholder object."""
+    return type(params).__name__ == "_ParamsPlaceholder" and not jax.tree.leaves(params)
+
+
+def _params_placeholder_state(placeholder, config: _Config) -> ShampooState:
+    """The state's structure with ``placeholder`` where trees like the params
+    are, for ``optax.tree.map_params``."""
+    return ShampooState(
+        count=_NotParams(),
+        momentum=placeholder,
+        diagonal_momentum=placeholder if config.has_diagonal_momentum else _NotParams(),
+        diagonal_statistics=(
+            placeholder if config.has_diagonal_statistics else _NotParams()
+        ),
+        statistics=_NotParams(),
+        preconditioners=_NotParams(),
+        training_metrics=_NotParams(),
+    )
+
+
 def _init(params, config: _Config, *, constrain: bool = True) -> ShampooState:
+    if _is_params_placeholder(params):
+        return _params_placeholder_state(params, config)
     check_parameter_dtypes(params, "distributed_shampoo", complex_ok=False)
     # constrain=False: for jax.eval_shape in check_state_matches (no mesh needed).
     spec = config.statistics_partition_spec if constrain else None
@@ -532,7 +701,7 @@ def _init(params, config: _Config, *, constrain: bool = True) -> ShampooState:
     def momentum_buffer(p, dtype):
         zeros = jnp.zeros(p.shape, dtype)
         if memory_mode and p.ndim > 1 and p.size:
-            return quantize(zeros, jnp.int8)
+            return _store_momentum(zeros, quantize(zeros[:1, :1], jnp.int8))
         return zeros
 
     momentum = [
@@ -552,7 +721,7 @@ def _init(params, config: _Config, *, constrain: bool = True) -> ShampooState:
         eye = jnp.broadcast_to(jnp.eye(n, dtype=stack_dtype), (total, n, n))
         real = (jnp.arange(total) < rows)[:, None, None]
         stats = jnp.where(real, config.matrix_epsilon * eye, eye).astype(stack_dtype)
-        if memory_mode:
+        if config.statistics_quantized:
             stats = quantize(stats, jnp.int16, extract_diagonal=True)
             eye = quantize(eye, jnp.int16, extract_diagonal=True)
         statistics.append(_constrain(stats, spec))
@@ -562,6 +731,11 @@ def _init(params, config: _Config, *, constrain: bool = True) -> ShampooState:
         for slots in layout.slots
     ]
     unflatten = functools.partial(jax.tree.unflatten, treedef)
+    metrics = (
+        TrainingMetrics(unflatten(errors))
+        if config.generate_training_metrics
+        else optax.MaskedNode()
+    )
     return ShampooState(
         count=jnp.zeros([], jnp.int32),
         momentum=unflatten(momentum),
@@ -569,7 +743,7 @@ def _init(params, config: _Config, *, constrain: bool = True) -> ShampooState:
         diagonal_statistics=unflatten(diagonal_statistics),
         statistics=tuple(statistics),
         preconditioners=tuple(preconditioners),
-        training_metrics=TrainingMetrics(unflatten(errors)),
+        training_metrics=metrics,
     )
 
 
@@ -582,18 +756,39 @@ def _stack_roots(stack: jax.Array, p: int, config: _Config):
     partitioner gives each device its share.
     """
     if config.eigh:
-        root = functools.partial(matrix_inverse_pth_root_eigh, p=p)
+        root = functools.partial(
+            matrix_inverse_pth_root_eigh,
+            p=p,
+            relative_matrix_epsilon=config.relative_matrix_epsilon,
+        )
     else:
-        root = functools.partial(matrix_inverse_pth_root, p=p)
+        root = functools.partial(
+            matrix_inverse_pth_root,
+            p=p,
+            relative_matrix_epsilon=config.relative_matrix_epsilon,
+            lobpcg_topk_precondition=config.lobpcg_topk_precondition,
+            lobpcg_max_iter=config.lobpcg_max_iter,
+        )
     roots_of = jax.vmap(
         functools.partial(
             root, ridge_epsilon=config.matrix_epsilon, precision=config.precision
         )
     )
     if config.batch_axis_name is None:
-        stack = _constrain(stack, config.preconditioner_partition_spec)
-        roots, errors = roots_of(stack)
-        return _constrain(roots, config.preconditioner_partition_spec), errors
+        spec = config.preconditioner_partition_spec
+        stack = _constrain(stack, spec)
+        stored = (
+            config.statistics_partition_spec if config.shard_optimizer_states else None
+        )
+        typed = spec if spec is not None else stored
+        if typed is not None and _explicit_axes(typed):
+            # Sharding in types: each device roots its own rows in a shard_map
+            # (a vmapped while_loop over a typed-sharded stack is refused).
+            roots, errors = _rows_on_their_devices(roots_of, stack, typed)
+            errors = _replicate(errors, config)
+        else:
+            roots, errors = roots_of(stack)
+        return _constrain(roots, spec), errors
     axis = config.batch_axis_name
     devices = lax.axis_size(axis)
     rows, n = stack.shape[0], stack.shape[-1]
@@ -604,6 +799,23 @@ def _stack_roots(stack: jax.Array, p: int, config: _Config):
     roots, errors = roots_of(mine)
     roots = lax.all_gather(roots, axis, tiled=True)[:rows]
     return roots, lax.all_gather(errors, axis, tiled=True)[:rows]
+
+
+def _rows_on_their_devices(roots_of, stack: jax.Array, spec):
+    """``roots_of(stack)`` with each device computing the rows it holds under
+    ``spec`` (a PartitionSpec of the current mesh or a NamedSharding)."""
+    if isinstance(spec, jax.sharding.NamedSharding):
+        mesh, spec = spec.mesh, spec.spec
+    else:
+        mesh = jax.sharding.get_abstract_mesh()
+    rows = PartitionSpec(*tuple(spec)[:1])
+    return jax.shard_map(
+        roots_of,
+        mesh=mesh,
+        in_specs=PartitionSpec(*tuple(spec)[:1], None, None),
+        out_specs=(PartitionSpec(*tuple(spec)[:1], None, None), rows),
+        check_vma=False,  # the kernels' loops start from device-invariant constants
+    )(stack)
 
 
 def _grafting_direction(g, diagonal, config: _Config):
@@ -643,7 +855,7 @@ def _new_statistics(grads, state, layout: _Layout, config: _Config):
             continue
         x = g.astype(_stack_dtype(state)).reshape(plan.merged_shape)
         grams = [
-            _block_grams(_to_blocks(x, group), config.precision)
+            _block_grams(_to_blocks(x, group), plan.axes, config.gram_precision)
             for group in plan.groups
         ]
         for (group, axis), (stack, _, _) in zip(plan.entries, slots, strict=True):
@@ -707,7 +919,9 @@ def _preconditioned(g, plan: _ParameterPlan, slots, roots, precision):
             )
             if entry_group == g_index
         ]
-        blocks.append(_precondition_blocks(_to_blocks(x, group), factors, precision))
+        blocks.append(
+            _precondition_blocks(_to_blocks(x, group), plan.axes, factors, precision)
+        )
     return _from_blocks(blocks, plan).reshape(g.shape)
 
 
@@ -758,20 +972,29 @@ def _update(updates, state: ShampooState, params, config: _Config):
                     ),
                 ),
             )
-        old_errors = leaves_of(state.training_metrics.inverse_pth_root_errors)
-        new_errors = []
-        for slots, old in zip(layout.slots, old_errors, strict=True):
-            if not slots:
-                new_errors.append(old)
-                continue
-            mine = jnp.concatenate(
-                [errors[stack][first : first + rows] for stack, first, rows in slots]
-            )
-            new_errors.append(jnp.where(refresh, mine, old))
+        new_errors = None
+        if config.generate_training_metrics:
+            old_errors = leaves_of(state.training_metrics.inverse_pth_root_errors)
+            new_errors = []
+            for slots, old in zip(layout.slots, old_errors, strict=True):
+                if not slots:
+                    new_errors.append(old)
+                    continue
+                mine = jnp.concatenate(
+                    [
+                        errors[stack][first : first + rows]
+                        for stack, first, rows in slots
+                    ]
+                )
+                new_errors.append(jnp.where(refresh, mine, old))
         roots = [_replicate(_load(p), config) for p in preconditioners]
 
     lr = config.learning_rate
     lr = lr(step) if callable(lr) else lr
+    # Coupled learning rate (decoupled_learning_rate=False): lr scales the
+    # directions before momentum; decoupled: it scales the result.
+    inner_lr, outer_lr = (1.0, lr) if config.decoupled_learning_rate else (lr, 1.0)
+    coupled_decay = decays and not config.decoupled_weight_decay
     beta1 = config.beta1
     w = (1.0 - beta1) if config.moving_average_for_momentum else 1.0
     running = step >= config.start_preconditioning_step
@@ -786,6 +1009,7 @@ def _update(updates, state: ShampooState, params, config: _Config):
             old_diagonal = old_diagonals[i]
             gf = g.astype(_state_float_dtype(g.dtype))
             graft, diagonal = _grafting_direction(gf, old_diagonal, config)
+            graft = inner_lr * graft
             plan = layout.plans[i]
             if plan is None:
                 direction = graft
@@ -794,14 +1018,18 @@ def _update(updates, state: ShampooState, params, config: _Config):
                     gf, plan, layout.slots[i], roots, config.precision
                 ).astype(gf.dtype)
             shampoo = direction * (jnp.linalg.norm(graft) / (_norm(direction) + 1e-16))
-            if decays:
+            if coupled_decay:
                 shampoo = shampoo + config.weight_decay * weights[i]
                 graft = graft + config.weight_decay * weights[i]
-            momentum = beta1 * _load(old_momentum) + w * shampoo
+            momentum = beta1 * _load_momentum(old_momentum, g.shape) + w * shampoo
             if config.has_diagonal_momentum:
-                graft_momentum = beta1 * _load(old_diagonal_momentum) + w * graft
+                graft_momentum = (
+                    beta1 * _load_momentum(old_diagonal_momentum, g.shape) + w * graft
+                )
             else:
-                graft_momentum = beta1 * _load(old_momentum) + w * graft
+                graft_momentum = (
+                    beta1 * _load_momentum(old_momentum, g.shape) + w * graft
+                )
             mixed_momentum = jnp.where(running, momentum, graft_momentum)
             mixed = jnp.where(running, shampoo, graft)
             v = (
@@ -809,12 +1037,17 @@ def _update(updates, state: ShampooState, params, config: _Config):
                 if config.nesterov
                 else mixed_momentum
             )
-            outputs.append((-lr * v).astype(g.dtype))
+            if decays and config.decoupled_weight_decay:
+                # As Google's newer code: λ·lr·W, then the outer lr as well.
+                v = v + lr * config.weight_decay * weights[i]
+            outputs.append((-outer_lr * v).astype(g.dtype))
             if config.has_diagonal_momentum:
-                momenta.append(_store(momentum, old_momentum))
-                diagonal_momenta.append(_store(graft_momentum, old_diagonal_momentum))
+                momenta.append(_store_momentum(momentum, old_momentum))
+                diagonal_momenta.append(
+                    _store_momentum(graft_momentum, old_diagonal_momentum)
+                )
             else:
-                momenta.append(_store(mixed_momentum, old_momentum))
+                momenta.append(_store_momentum(mixed_momentum, old_momentum))
                 diagonal_momenta.append(None)
             diagonals.append(
                 None if old_diagonal is None else diagonal.astype(old_diagonal.dtype)
@@ -831,7 +1064,11 @@ def _update(updates, state: ShampooState, params, config: _Config):
         diagonal_statistics=unflatten(diagonals),
         statistics=statistics,
         preconditioners=preconditioners,
-        training_metrics=TrainingMetrics(unflatten(new_errors)),
+        training_metrics=(
+            optax.MaskedNode()
+            if new_errors is None
+            else TrainingMetrics(unflatten(new_errors))
+        ),
     )
     # A skipped step leaves everything as it was (see the docstring).
     new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
@@ -865,8 +1102,22 @@ def distributed_shampoo(
     clip_by_scaled_gradient_norm: float | None = None,
     precision: lax.Precision = lax.Precision.HIGHEST,
     *,
+    tensordot_precision: lax.Precision | None = None,
+    relative_matrix_epsilon: bool = True,
+    merge_small_dims_block_size: int | None = None,
+    lobpcg_topk_precondition: int = 0,
+    lobpcg_max_iter: int = 0,
+    precondtioner_type: PreconditionerType = PreconditionerType.ALL,
+    skip_preconditioning_rank_lt: int = 1,
+    decoupled_learning_rate: bool = True,
+    decoupled_weight_decay: bool = False,
+    generate_training_metrics: bool = True,
+    reuse_preconditioner: bool = False,
     eigh: bool = False,
-) -> optax.GradientTransformation:
+    separate_grafting_momentum: bool = False,
+    quantize_statistics: bool | None = None,
+    sharded_init_fns: bool = True,
+) -> optax.GradientTransformationExtraArgs:
     """Distributed Shampoo (Anil et al. 2020), with Google's arguments and defaults.
 
     At step t (0-based), for each parameter W, gradient G, block b and axis k:
@@ -935,8 +1186,9 @@ def distributed_shampoo(
             ``statistics_partition_spec`` (defaults to the preconditioner spec).
         best_effort_memory_usage_reduction: momenta of rank > 1 parameters in int8,
             statistics and roots in int16 with their diagonals in float32 (per
-            column scales; see ``quantize`` in ``_shampoo_math``). Google applies
-            the int16 part only in pmap mode; precond applies it in every mode.
+            column scales; see ``quantize`` in ``_shampoo_math``), the int16
+            part only with ``batch_axis_name`` as Google's (see
+            ``quantize_statistics``).
         inverse_failure_threshold: roots with a larger error are rejected.
         moving_average_for_momentum: w = 1 − β1 instead of 1.
         skip_preconditioning_dim_size_gt: parameters with a dim larger than this
@@ -945,11 +1197,43 @@ def distributed_shampoo(
             max(1, RMS(u_g)/clip).
         precision: ``lax.Precision`` of the matrix products (or 'default',
             'high', 'highest').
+        tensordot_precision: precision of the statistics' products; None uses
+            ``precision`` (Google's code uses the backend default for them).
+        relative_matrix_epsilon: the ridge is ε·max(λ_max, 1e-6); False: ε.
+        merge_small_dims_block_size: merge small dims up to this size; None
+            (default) merges up to ``block_size`` as the seed revision does
+            (Google's 0.0.6 defaults to 4096).
+        lobpcg_topk_precondition: k > 0 deflates the k largest eigenpairs of each
+            statistic (LOBPCG) before its Newton root and restores them after;
+            statistics with at most 5k rows are rooted as they are.
+        lobpcg_max_iter: LOBPCG iterations (0: k).
+        precondtioner_type: a :class:`PreconditionerType` (Google's spelling):
+            ALL axes, INPUT (all but the last) or OUTPUT (the last only); p is
+            twice the number of preconditioned axes.
+        skip_preconditioning_rank_lt: parameters of lower rank take the grafting
+            step alone.
+        decoupled_learning_rate: lr scales the final update (True, the seed's
+            behaviour) or the directions before momentum (False).
+        decoupled_weight_decay: add lr·λ·W after momentum (scaled by lr again
+            when the learning rate is decoupled, as Google's code) instead of
+            λ·W before it.
+        generate_training_metrics: keep ``training_metrics`` (else it is an
+            ``optax.MaskedNode``).
+        reuse_preconditioner: must be False (warm starts are not implemented).
         eigh: compute roots by an eigendecomposition instead of coupled Newton.
+        separate_grafting_momentum: with SQRT_N grafting, keep a grafting
+            momentum of its own, as Google's 0.0.6 does (the seed shares one).
+        quantize_statistics: store statistics and roots in int16 (with
+            ``best_effort_memory_usage_reduction``); None: only with
+            ``batch_axis_name``, where Google's code does.
+        sharded_init_fns: with ``shard_optimizer_states``, ``init`` returns the
+            seed's :class:`InitFnState` triple (ignoring its argument); False:
+            ``init(params)`` returns the state itself.
 
     Returns:
-        An optax ``GradientTransformation``; ``update(grads, state, params)``
-        needs ``params`` only when ``weight_decay`` is not 0. Its state is a
+        An optax ``GradientTransformationExtraArgs``; ``update(grads, state,
+        params, **extra_args)`` needs ``params`` only when ``weight_decay`` is
+        not 0 and ignores extra keyword arguments. Its state is a
         :class:`ShampooState`; :func:`distributed_shampoo_partition_specs` and
         :func:`distributed_shampoo_state_shapes` describe it for ``jit``.
 
@@ -962,17 +1246,44 @@ def distributed_shampoo(
         >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, state, params)
         >>> params = optax.apply_updates(params, updates)
     """
-    config = _validated(**locals())
-    return optax.GradientTransformation(
-        functools.partial(_init, config=config),
-        lambda updates, state, params=None: _update(updates, state, params, config),
-    )
+    arguments = dict(locals())
+    config = _validated(**arguments)
+
+    def update(updates, state, params=None, **extra_args):
+        del extra_args  # optax's GradientTransformationExtraArgs contract
+        return _update(updates, state, params, config)
+
+    init = functools.partial(_init, config=config)
+    if config.shard_optimizer_states and config.sharded_init_fns:
+        state_init = init
+        plain = {**arguments, "sharded_init_fns": False}
+
+        def pspec_fn(params, params_partition_spec, partition_spec_for_statistics=None):
+            spec = partition_spec_for_statistics or config.statistics_partition_spec
+            return distributed_shampoo_partition_specs(
+                params,
+                params_partition_spec,
+                **{**plain, "statistics_partition_spec": spec},
+            )
+
+        def init(params):
+            del params  # the seed's init_fn is called with anything
+            return InitFnState(
+                init_fn=state_init,
+                pspec_fn=pspec_fn,
+                shape_and_dtype_fn=functools.partial(
+                    distributed_shampoo_state_shapes, **plain
+                ),
+            )
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def distributed_shampoo_state_shapes(params, *args, **kwargs) -> ShampooState:
     """Shapes and dtypes (``jax.ShapeDtypeStruct``) of the state that
     ``distributed_shampoo(*args, **kwargs).init(params)`` returns (params may be
     abstract); the seed's ``shape_and_dtype_fn``."""
+    kwargs = {**kwargs, "sharded_init_fns": False}
     return jax.eval_shape(distributed_shampoo(*args, **kwargs).init, params)
 
 
@@ -1006,9 +1317,11 @@ def distributed_shampoo_partition_specs(
             if buffer is None:
                 out.append(None)
             elif _is_quantized(buffer):
+                # Stored with the first axis at position -2 (_store_momentum).
+                moved = (*spec[1:-1], spec[0], spec[-1]) if len(spec) > 2 else spec
                 out.append(
                     QuantizedArray(
-                        PartitionSpec(*spec), PartitionSpec(*spec[:-2], spec[-1]), None
+                        PartitionSpec(*moved), PartitionSpec(*spec[1:]), None
                     )
                 )
             else:
@@ -1035,10 +1348,14 @@ def distributed_shampoo_partition_specs(
         diagonal_statistics=like_param(shapes.diagonal_statistics),
         statistics=tuple(for_stack(s) for s in shapes.statistics),
         preconditioners=tuple(for_stack(s) for s in shapes.preconditioners),
-        training_metrics=TrainingMetrics(
-            jax.tree.map(
-                lambda _: PartitionSpec(),
-                shapes.training_metrics.inverse_pth_root_errors,
+        training_metrics=(
+            TrainingMetrics(
+                jax.tree.map(
+                    lambda _: PartitionSpec(),
+                    shapes.training_metrics.inverse_pth_root_errors,
+                )
             )
+            if config.generate_training_metrics
+            else optax.MaskedNode()
         ),
     )
