@@ -98,6 +98,14 @@ def _relative_difference(got, want):
 
 SHAPES = {"b": (16,), "w": (16, 24), "x": (8, 8, 16)}
 SCANNED_SHAPES = {"b": (16,), "stack": (3, 8, 16), "w": (16, 24)}
+PADDED_SHAPES = {
+    "b": (10,),
+    "s": (),
+    "stack": (2, 5, 12),
+    "w": (12, 20),
+    "x": (5, 6, 7),
+}
+PADDED_SCANNED = {"b": False, "s": False, "stack": True, "w": False, "x": False}
 # name ↦ (shapes, arguments given to both): together they cover every setting
 # the two share (each case compiles both optimizers, so settings are combined).
 SCANNED = {"b": False, "stack": True, "w": False}
@@ -154,6 +162,16 @@ CASES = {
             block_size=8,
         ),
     ),
+    # Dims that are not multiples of the block size: distributed-kron pads them
+    # (and fits the padding); precond does so with block_padding='distributed_kron'.
+    "padded_blocks": (
+        PADDED_SHAPES,
+        dict(
+            scanned_layers=PADDED_SCANNED,
+            target_merged_dim_size=64,
+            block_size=8,
+        ),
+    ),
 }
 
 
@@ -177,13 +195,18 @@ def _compare(case, optimizers, params, grads):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_same_seed_gives_distributed_kron_trajectory(case):
-    """With distributed-kron's merge rule and random draws, 20 steps of updates
-    equal distributed-kron 1.0.0's (relative 1e-5, float32); every other
-    argument is the same for both, nothing injected."""
+    """With distributed-kron's merge rule and random draws (and its padding where
+    it pads), 20 steps of updates equal distributed-kron 1.0.0's (relative 1e-5,
+    float32); every other argument is the same for both, nothing injected."""
     dk = oracles.distributed_kron()
     shapes, arguments = CASES[case]
     arguments = {"learning_rate": 0.01, **arguments}
-    ours = pj.kron(**arguments, merge_rule="distributed_kron", noise_draws=DK_DRAWS)
+    ours = pj.kron(
+        **arguments,
+        merge_rule="distributed_kron",
+        noise_draws="distributed_kron",
+        block_padding="distributed_kron" if case == "padded_blocks" else "inert",
+    )
     _compare(case, (ours, dk.kron(**arguments)), _params(shapes), _gradients(shapes))
 
 
@@ -201,9 +224,6 @@ def test_default_draws_injected_match_distributed_kron(case, monkeypatch):
 
 def _params(shapes):
     return _gradients(shapes, seed=1)[0]
-
-
-DK_DRAWS = "distributed_kron"
 
 
 # The entry points distributed-kron 1.0.0 exports.

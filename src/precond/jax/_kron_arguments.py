@@ -20,7 +20,7 @@ from precond._common.validation import (
     check_real,
 )
 from precond.jax import _kron_math as km
-from precond.jax._kron_layout import MERGE_RULES
+from precond.jax._kron_layout import BLOCK_PADDINGS, MERGE_RULES
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 
 # Layouts of the cached P_i = Q_iᵀQ_i (see scale_by_kron's preconditioner_cache).
@@ -132,6 +132,7 @@ KRON_ARGUMENT_CHECKS = {
     "merge_rule": functools.partial(check_choice, choices=MERGE_RULES),
     "independent_scanned_layers": check_bool,
     "noise_draws": functools.partial(check_choice, choices=NOISE_DRAWS),
+    "block_padding": functools.partial(check_choice, choices=BLOCK_PADDINGS),
 }
 
 

@@ -31,6 +31,8 @@ from precond._common.factor_plan import (
 
 # How merge_small_dims groups axes (see scale_by_kron's merge_rule).
 MERGE_RULES = ("balanced", "distributed_kron")
+# How blocking pads (see scale_by_kron's block_padding).
+BLOCK_PADDINGS = ("inert", "distributed_kron")
 
 # Parameter index of the empty units that pad a stack to a multiple of the shards.
 PADDING_UNIT = np.iinfo(np.int32).max
@@ -44,6 +46,8 @@ class TensorPlan(NamedTuple):
     diagonal: tuple[bool, ...]  # per axis of ``shape``: diagonal factor or triangular
     block_shape: tuple[int, ...]  # shape of one unit: ``shape`` cut to the block size
     complex: bool = False  # complex entries: complex factors, in their own stacks
+    fitted_padding: bool = False  # padding is fitted like real entries (noise,
+    # balancing), as distributed-kron does; otherwise it is inert
 
     @property
     def blocks_per_axis(self) -> tuple[int, ...]:
@@ -95,6 +99,7 @@ def plan_tensor(
     block_size: int | None,
     complex: bool = False,
     merge_rule: str = "balanced",
+    block_padding: str = "inert",
 ) -> TensorPlan:
     """Plans one parameter: its layers, merged shape, factor structure and blocks.
 
@@ -103,6 +108,10 @@ def plan_tensor(
     exceeds ``max_size_triangular``. ``merge_rule``: 'balanced'
     (:func:`merge_dims`) or 'distributed_kron' (:func:`merge_dims_by_loss`).
     ``block_size=None`` keeps every axis whole; diagonal axes are never cut.
+    ``block_padding='distributed_kron'`` pads every axis (cut or not) up to a
+    multiple of ``block_size`` and fits the padding like real entries, as
+    distributed-kron does; 'inert' (default) pads only the edge blocks of cut
+    axes, and the padding never changes the real part.
     ``complex``: the parameter is
     complex (its units get complex factors and are never stacked with real ones).
     """
@@ -130,18 +139,29 @@ def plan_tensor(
         layer_shape = merged
     # Diagonal axes stay whole (as distributed-kron's): cheap, and a diagonal
     # factor's step normaliser then spans the whole axis.
+    fitted = block_size is not None and block_padding == "distributed_kron"
+
+    def block_length(d: int, diagonal_axis: bool) -> int:
+        if block_size is None:
+            return d
+        if fitted:  # every axis padded up to a multiple of the block size
+            return -(-d // block_size) * block_size if diagonal_axis else block_size
+        return d if diagonal_axis else min(d, block_size)
+
     block_shape = tuple(
-        d if block_size is None or diag else min(d, block_size)
-        for d, diag in zip(layer_shape, diagonal, strict=True)
+        block_length(d, diag) for d, diag in zip(layer_shape, diagonal, strict=True)
     )
-    return TensorPlan(scanned, layer_shape, diagonal, block_shape, complex)
+    return TensorPlan(scanned, layer_shape, diagonal, block_shape, complex, fitted)
 
 
 def unit_extents(plan: TensorPlan, lead: tuple[int, ...]) -> np.ndarray:
     """(units, ndim): the valid size of each unit of a parameter along each axis."""
     per_axis = []
     for d, b, n in zip(plan.shape, plan.block_shape, plan.blocks_per_axis, strict=True):
-        per_axis.append([min(b, d - i * b) for i in range(n)])
+        # Fitted padding counts as valid: it gets noise and enters the balancing.
+        per_axis.append(
+            [b if plan.fitted_padding else min(b, d - i * b) for i in range(n)]
+        )
     grid = np.array(np.meshgrid(*per_axis, indexing="ij")).reshape(len(per_axis), -1)
     return np.tile(grid.T, (math.prod(lead), 1)).astype(np.int32)
 

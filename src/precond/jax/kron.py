@@ -188,6 +188,7 @@ def scale_by_kron(
     merge_rule: str = "balanced",
     independent_scanned_layers: bool = False,
     noise_draws: str = "per_block",
+    block_padding: str = "inert",
     **kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD Kron preconditioner.
@@ -315,6 +316,13 @@ def scale_by_kron(
             distributed-kron draws them from ``PRNGKey(seed)`` (its seed is 42,
             as precond's default): one normal array per parameter in its layout
             and its balancing decision, so the same seed gives its trajectory.
+        block_padding: ``'inert'`` (default): blocking pads only the edge blocks
+            of cut axes, and the padding never changes the real part (see
+            ``partition_grads_into_blocks``). ``'distributed_kron'``: as
+            distributed-kron, every axis is padded up to a multiple of
+            ``block_size`` (a 10-long axis gets a 256×256 factor) and the padding
+            is fitted with noise, counts in the balancing norms and dilutes the
+            damping scale, which changes the real part.
         **kwargs: ``kron``'s own arguments (``learning_rate``,
             ``weight_decay``, ``weight_decay_mask``) are accepted and ignored,
             so one dict of arguments serves both (as in distributed-kron);
@@ -366,6 +374,7 @@ def scale_by_kron(
                 block_size=block_size if partition_grads_into_blocks else None,
                 complex=km.is_complex(x),
                 merge_rule=merge_rule,
+                block_padding=block_padding,
             )
             for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
         ]
@@ -792,10 +801,16 @@ def scale_by_kron(
                 magnitude = magnitude.astype(
                     jnp.promote_types(magnitude.dtype, jnp.float32)
                 )
+                # Fitted padding counts in the mean (as distributed-kron's).
+                per_layer = math.prod(
+                    plan.padded_shape if plan.fitted_padding else plan.shape
+                )
                 if independent_scanned_layers and lead:
-                    mean = jnp.mean(magnitude.reshape(lead[0], -1), axis=1)
+                    total = jnp.sum(magnitude.reshape(lead[0], -1), axis=1)
+                    mean = total / per_layer
                 else:
-                    mean = jnp.broadcast_to(jnp.mean(magnitude), lead)
+                    mean = jnp.sum(magnitude) / (per_layer * math.prod(lead))
+                    mean = jnp.broadcast_to(mean, lead)
                 means.append(jnp.repeat(mean, math.prod(plan.blocks_per_axis)))
             out = []
             for stack in stacks:
@@ -934,6 +949,7 @@ def kron(
     merge_rule: str = "balanced",
     independent_scanned_layers: bool = False,
     noise_draws: str = "per_block",
+    block_padding: str = "inert",
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD Kron: ``chain(scale_by_kron, add_decayed_weights, scale_by_learning_rate)``.
 
@@ -994,6 +1010,7 @@ def kron(
         merge_rule=merge_rule,
         independent_scanned_layers=independent_scanned_layers,
         noise_draws=noise_draws,
+        block_padding=block_padding,
     )
     return with_decay_and_learning_rate(
         core, learning_rate, weight_decay, weight_decay_mask
