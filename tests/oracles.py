@@ -10,6 +10,8 @@ them import, and they touch only the oracle, never precond:
   ``from __future__ import annotations`` so the annotations are never evaluated.
 - psgd-jax 0.1.5 imports ``optax._src.clipping``, a module later optax releases
   moved to ``optax.transforms._clipping``; the old name is registered as an alias.
+  Its Affine also calls ``jax.tree_unflatten``, which JAX has since removed: the
+  alias ``jax.tree_util.tree_unflatten`` is added to ``jax`` (nothing else changes).
 
 Each ``import_*`` function calls ``pytest.importorskip``-style skipping only when the
 package is absent; CI installs the extra, so there a missing oracle is a failure
@@ -73,9 +75,12 @@ def psgd_jax() -> types.SimpleNamespace:
     import optax.transforms._clipping as clipping
 
     sys.modules.setdefault("optax._src.clipping", clipping)
+    import jax
     import optax._src
 
     optax._src.clipping = clipping
+    if not hasattr(jax, "tree_unflatten"):
+        jax.tree_unflatten = jax.tree_util.tree_unflatten
     return types.SimpleNamespace(
         xmat=importlib.import_module("psgd_jax.xmat").xmat,
         low_rank_approximation=importlib.import_module(

@@ -91,7 +91,7 @@ def update(U, V, d, v, h, lr, order="2nd", *, update_u, balance_first=False):
         second = np.linalg.norm(a) * np.linalg.norm(UU @ a) + np.linalg.norm(
             b
         ) * np.linalg.norm(UU @ b)
-    mu = lr / second if order == "2nd" else lr / np.linalg.norm(G, 2)
+    mu = lr / second if order == "2nd" else lr / np.linalg.norm(G, "fro")
     Q = (eye - mu * G) @ Q
     # Read the moved factor back from Q·diag(d)⁻¹ − I = U'Vᵀ (or UV'ᵀ).
     low_rank = Q @ np.diag(1 / d_new) - eye

@@ -7,9 +7,12 @@ all of them:
 
 1. With probability p (or the caller's ``update_preconditioner`` flag in Newton
    mode) fit Q to (v, h): Newton mode uses ``Hvp=h, vector=v``; whitening uses
-   h = the raw gradient and leaves v to the preconditioner (v ~ N(0, I), or
-   integrated out analytically).
-2. m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m̂ + (1−β₁)g/(1−β₁ⁿ)).
+   h = the raw gradient and v ~ N(0, I) (drawn here, or by or integrated out
+   in the preconditioner); in whitening mode the first two steps always fit.
+   The random draws follow psgd-jax's order from the same key, so a seed gives
+   psgd-jax's trajectory.
+2. m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m/(1−β₁ⁿ⁺¹) +
+   (1−β₁)g/(1−β₁ⁿ)).
 3. U = P·m̂, clipped to the global norm ``update_global_norm_clip``.
 
 A step whose gradient (or Hvp) has a NaN or ±Inf entry returns zeros and leaves
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax import tree_utils as otu
 
 from precond._common.validation import (
     check_bool,
@@ -60,21 +64,30 @@ class PSGDState(NamedTuple):
 
 
 class Preconditioner(NamedTuple):
-    """The three functions that make one PSGD variant.
+    """The functions that make one PSGD variant.
 
-    init(params, scale, key) -> factors: Q = scale·I (``scale`` is 1.0 when the
-        caller asked for automatic scaling; ``fit`` rescales at the first fit);
-        ``key`` for random initial factors.
-    fit(factors, h, v, lr, first, key) -> factors: one step of Q on the pair
-        (v, h), pytrees like the gradients. ``v`` is None in whitening mode (the
-        preconditioner draws it from ``key`` or integrates it out). ``first`` (a
-        bool array) asks for the automatic initial scaling of Q from (v, h).
+    init(params, scale, key) -> (factors, key): Q = scale·I (``scale`` is 1.0
+        when the caller asked for automatic scaling; ``fit`` rescales at the
+        first fit); random initial factors split their draws off ``key`` and
+        return what is left of it (psgd-jax's order of draws).
+    fit(factors, h, v, lr, first, key, newton) -> factors: one step of Q on the
+        pair (v, h), pytrees like the gradients. ``v`` is None in whitening mode
+        when ``draws_vector`` is False (the preconditioner integrates v out or
+        draws it from ``key``). ``first`` (a bool array) asks for the automatic
+        initial scaling of Q; ``newton`` (a Python bool) says whether v came from
+        the caller (scale from Σv²/Σh²) or is whitening noise (E[Σv²] = n).
+        ``key`` is a fresh subkey when ``fit_uses_key``, else None.
     apply(factors, m) -> P·m, a pytree like m.
+    draws_vector: in whitening mode the transform draws v ~ N(0, I) like the
+        gradients (``optax.tree.random_like``) before deciding to fit.
+    fit_uses_key: each fit splits a subkey off the state's key.
     """
 
-    init: Callable[[Any, float, jax.Array], Any]
-    fit: Callable[[Any, Any, Any, Any, jax.Array, jax.Array], Any]
+    init: Callable[[Any, float, jax.Array], tuple[Any, jax.Array]]
+    fit: Callable[..., Any]
     apply: Callable[[Any, Any], Any]
+    draws_vector: bool = True
+    fit_uses_key: bool = False
 
 
 def _optional(check: Callable) -> Callable:
@@ -181,12 +194,12 @@ def scale_by_psgd(
                 lambda p: jnp.zeros_like(p, dtype=momentum_dtype(mu_dtype, p)), params
             )
         scale = 1.0 if auto_scale else precond_init_scale
-        key, init_key = jax.random.split(key_from_seed(seed))
+        factors, key = preconditioner.init(params, scale, key_from_seed(seed))
         return PSGDState(
             count=jnp.zeros([], jnp.int32),
             key=key,
             mu=mu,
-            preconditioner=preconditioner.init(params, scale, init_key),
+            preconditioner=factors,
             updates=jnp.zeros([], jnp.int32),
         )
 
@@ -194,22 +207,35 @@ def scale_by_psgd(
         check_state_matches(state, init_fn, params, updates, "PSGD")
         del params
         newton = newton_arguments(updates, extra_args)
-        key, decision_key, fit_key = jax.random.split(state.key, 3)
+        key = state.key
         if newton is not None:
             h, v = newton["Hvp"], newton["vector"]
             do_update = jnp.asarray(newton["update_preconditioner"], bool)
             finite = gradients_are_usable(updates, h)
         else:
-            h, v = updates, None
+            # psgd-jax's draws: the decision, then (XMat, LRA) v like the
+            # gradients; the first two steps always fit.
+            key, decision_key = jax.random.split(key)
             do_update = (
                 jax.random.uniform(decision_key) < preconditioner_update_probability
-            )
+            ) | (state.count < 2)
+            h, v = updates, None
+            if preconditioner.draws_vector:
+                key, vector_key = jax.random.split(key)
+                v = optax.tree.random_like(vector_key, updates, jax.random.normal)
             finite = gradients_are_usable(updates)
-        lr = precond_lr(state.count) if callable(precond_lr) else precond_lr
+        count = state.count + 1
+        lr = precond_lr(count) if callable(precond_lr) else precond_lr
         first = (state.updates == 0) & auto_scale
+        fit_key = None
+        if preconditioner.fit_uses_key:
+            key_after_fit, fit_key = jax.random.split(key)
+            key = jnp.where(do_update & finite, key_after_fit, key)
 
         def fit(factors):
-            return preconditioner.fit(factors, h, v, lr, first, fit_key)
+            return preconditioner.fit(
+                factors, h, v, lr, first, fit_key, newton is not None
+            )
 
         factors = jax.lax.cond(
             do_update & finite, fit, lambda f: f, state.preconditioner
@@ -222,28 +248,26 @@ def scale_by_psgd(
             factors,
             state.preconditioner,
         )
-        count = state.count + 1
         if keep_momentum:
-            mu = jax.tree.map(
-                lambda m, u: (b1 * m + (1 - b1) * u).astype(m.dtype), state.mu, updates
-            )
-            correction = 1 - b1 ** count.astype(jnp.float32)
+            # m ← β₁m + (1−β₁)g; m̂ = m/(1−β₁ⁿ); Nesterov (Dozat): m̂ =
+            # β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ), as psgd-jax.
+            moment = otu.tree_update_moment(updates, state.mu, b1, 1)
             if nesterov:
                 m_hat = jax.tree.map(
-                    lambda m, u: b1 * m / correction + (1 - b1) * u / correction,
-                    mu,
-                    updates,
+                    lambda m, g: b1 * m + (1 - b1) * g,
+                    otu.tree_bias_correction(moment, b1, count + 1),
+                    otu.tree_bias_correction(updates, b1, count),
                 )
             else:
-                m_hat = jax.tree.map(lambda m: m / correction, mu)
+                m_hat = otu.tree_bias_correction(moment, b1, count)
+            mu = jax.tree.map(lambda m, old: m.astype(old.dtype), moment, state.mu)
         else:
             mu, m_hat = None, updates
         U = preconditioner.apply(factors, m_hat)
         if update_global_norm_clip is not None:
-            shrink = jnp.minimum(
-                1.0, update_global_norm_clip / (optax.global_norm(U) + 1e-30)
+            U, _ = optax.clip_by_global_norm(update_global_norm_clip).update(
+                U, optax.EmptyState()
             )
-            U = jax.tree.map(lambda u: u * shrink, U)
         new_updates = jax.tree.map(
             lambda u, g: jnp.where(finite, u, 0).astype(g.dtype), U, updates
         )

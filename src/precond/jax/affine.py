@@ -17,16 +17,18 @@ The factor kernels are Kron's (:mod:`precond.jax._kron_math`): the fit is
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from precond._common.validation import check_int
+from precond._common.validation import check_bool, check_int
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._kron_sharding import explicit_specs
@@ -56,7 +58,8 @@ def matrix_view_shape(shape: Sequence[int]) -> tuple[int, int]:
     d₁ is the product of the first j dims and d₂ that of the rest, with j
     minimising d₁² + d₂² (the smallest such j on ties). A scalar is (1, 1) and a
     vector of n entries is (1, n); a matrix stays as it is unless a side is 1.
-    Unlike psgd-jax, axes are never permuted, so the view is a free reshape.
+    Unlike psgd-jax, axes are never permuted, so the view is a free reshape
+    (``permute_axes=True`` takes psgd-jax's view, :func:`permuted_matrix_view`).
 
     Example:
         >>> matrix_view_shape((2, 3, 8))
@@ -69,6 +72,66 @@ def matrix_view_shape(shape: Sequence[int]) -> tuple[int, int]:
         if best is None or view[0] ** 2 + view[1] ** 2 < best[0] ** 2 + best[1] ** 2:
             best = view
     return best
+
+
+def permuted_matrix_view(
+    shape: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """psgd-jax's matrix view: (axis permutation, (d₁, d₂)).
+
+    A matrix keeps its shape and a scalar or vector becomes (1, n). A tensor of
+    3 or more axes takes, over every permutation of its axes (in lexicographic
+    order) and every split point j in 1..k−1, the first (permutation, j) with
+    the least d₁² + d₂² (d₁ the product of the first j permuted dims).
+
+    Example:
+        >>> permuted_matrix_view((2, 8, 3))
+        ((0, 2, 1), (6, 8))
+    """
+    shape = tuple(int(d) for d in shape)
+    identity = tuple(range(len(shape)))
+    if len(shape) == 2:
+        return identity, shape
+    if len(shape) < 2:
+        return identity, (1, math.prod(shape))
+    best, best_cost = None, math.inf
+    for permutation in itertools.permutations(identity):
+        dims = [shape[a] for a in permutation]
+        for j in range(1, len(dims)):
+            view = (math.prod(dims[:j]), math.prod(dims[j:]))
+            if view[0] ** 2 + view[1] ** 2 < best_cost:
+                best, best_cost = (permutation, view), view[0] ** 2 + view[1] ** 2
+    return best
+
+
+def matrix_view_plan(
+    shape: Sequence[int], permute_axes: bool = False
+) -> tuple[tuple[int, ...] | None, tuple[int, int]]:
+    """(permutation or None, view): :func:`permuted_matrix_view` when
+    ``permute_axes`` (and a permutation helps), else :func:`matrix_view_shape`."""
+    if permute_axes:
+        permutation, view = permuted_matrix_view(shape)
+        if permutation != tuple(range(len(shape))):
+            return permutation, view
+        return None, view
+    return None, matrix_view_shape(shape)
+
+
+def to_matrix(x: jax.Array, plan) -> jax.Array:
+    """``x`` as its (d₁, d₂) matrix view (permuted first if the plan says so)."""
+    permutation, view = plan
+    if permutation is not None:
+        x = jnp.transpose(x, permutation)
+    return x.reshape(view)
+
+
+def from_matrix(X: jax.Array, plan, shape: Sequence[int]) -> jax.Array:
+    """The inverse of :func:`to_matrix` for a tensor of ``shape``."""
+    permutation, _ = plan
+    if permutation is None:
+        return X.reshape(shape)
+    X = X.reshape([shape[a] for a in permutation])
+    return jnp.transpose(X, tuple(int(i) for i in np.argsort(permutation)))
 
 
 def is_diagonal_side(
@@ -134,6 +197,38 @@ def expected_noise_grams(Qs: Sequence[jax.Array]) -> list[jax.Array]:
     return grams
 
 
+def norm_lower_bound(S: jax.Array) -> jax.Array:
+    """A cheap lower bound on ‖S‖₂ (as psgd-jax's): with s = max|S| and Ŝ = S/s,
+    take the column x of Ŝ of largest norm if it beats every row (else the
+    row), and return s·‖Ŝᴴ(Ŝx)‖/‖Ŝx‖ (two power-iteration steps on ŜŜᴴ or ŜᴴŜ);
+    0 for S = 0. For a Hermitian S rows and columns tie and the row is used.
+    """
+    scale = jnp.max(jnp.abs(S))
+    safe_scale = jnp.where(scale > 0, scale, 1)
+    S_hat = S / safe_scale
+    magnitude = km.squared_magnitude(S_hat)
+    column_norms, row_norms = jnp.sum(magnitude, axis=0), jnp.sum(magnitude, axis=1)
+
+    def from_column():
+        x = jax.lax.dynamic_index_in_dim(
+            S_hat, jnp.argmax(column_norms), axis=1, keepdims=False
+        )
+        y = km.conj(x) @ S_hat
+        return jnp.linalg.norm((y / jnp.linalg.norm(y)) @ km.conj_transpose(S_hat))
+
+    def from_row():
+        x = jax.lax.dynamic_index_in_dim(
+            S_hat, jnp.argmax(row_norms), axis=0, keepdims=False
+        )
+        y = S_hat @ km.conj(x)
+        return jnp.linalg.norm(km.conj_transpose(S_hat) @ (y / jnp.linalg.norm(y)))
+
+    bound = jax.lax.cond(
+        jnp.max(column_norms) > jnp.max(row_norms), from_column, from_row
+    )
+    return jnp.where(scale > 0, safe_scale * bound, 0).astype(km.real_dtype(S.dtype))
+
+
 def affine_update(
     factors: AffineFactors,
     H: jax.Array,
@@ -146,22 +241,35 @@ def affine_update(
     A = Q_l·H·Q_rᵀ and B = Q_l⁻ᵀ·V·Q_r⁻¹; the relative gradients are
     triu(AAᵀ − BBᵀ) for Q_l and triu(AᵀA − BᵀB) for Q_r (only the diagonals for
     a diagonal factor), and Q ← Q − μ·∇·Q with μ = η/(lb(AAᵀ + BBᵀ) + tiny)
-    ('2nd'; max instead of lb for a diagonal factor) or η/(lb(∇) + tiny) ('1st').
-    ``V=None`` integrates v ~ N(0, I) out: BBᵀ and BᵀB are replaced by their
-    expectations (:func:`expected_noise_grams`). This is
-    :func:`precond.jax._kron_math.update_factors` with the two factors.
+    ('2nd'; max instead of lb for a diagonal factor) or η/(lb(∇) + tiny) ('1st'),
+    lb being :func:`norm_lower_bound`. ``V=None`` integrates v ~ N(0, I) out:
+    BBᵀ and BᵀB are replaced by their expectations
+    (:func:`expected_noise_grams`).
     """
     Qs = [factors.left, factors.right]
-    noise_grams = None if V is not None else expected_noise_grams(Qs)
-    left, right = km.update_factors(
-        Qs,
-        H,
-        V,
-        precond_lr,
-        step_normalizer_order=step_normalizer_order,
-        noise_grams=noise_grams,
-    )
-    return AffineFactors(left, right)
+    A = km.apply_along_axes(Qs, H)
+    if V is None:
+        noise_grams = expected_noise_grams(Qs)
+    else:
+        B = V
+        for axis, Q in enumerate(Qs):
+            B = km.solve_transposed_along_axis(Q, B, axis)
+    first_order = step_normalizer_order == "1st"
+    new = []
+    for axis, Q in enumerate(Qs):
+        diagonal = km.is_diagonal(Q)
+        T1 = km.unfold_gram(A, axis, diagonal)
+        T2 = noise_grams[axis] if V is None else km.unfold_gram(B, axis, diagonal)
+        if diagonal:
+            normalizer = jnp.abs(T1 - T2) if first_order else jnp.abs(T1 + T2)
+            step = precond_lr / (jnp.max(normalizer) + km.TINY)
+            new.append(Q - step * (T1 - T2) * Q)
+        else:
+            gradient = jnp.triu(T1 - T2)
+            normalizer = gradient if first_order else T1 + T2
+            step = precond_lr / (norm_lower_bound(normalizer) + km.TINY)
+            new.append(Q - step * (gradient @ Q))
+    return AffineFactors(*new)
 
 
 def affine_precondition(factors: AffineFactors, G: jax.Array) -> jax.Array:
@@ -170,9 +278,18 @@ def affine_precondition(factors: AffineFactors, G: jax.Array) -> jax.Array:
 
 
 def integrates_noise_out(factors: AffineFactors) -> bool:
-    """Whitening integrates v out when at least one factor is diagonal (then the
-    inverses are cheap); with two triangular factors it samples v ~ N(0, I)."""
-    return km.is_diagonal(factors.left) or km.is_diagonal(factors.right)
+    """Whitening integrates v out (psgd-jax's rule) when both factors are
+    diagonal, or one is diagonal and its side is at least as long as the other
+    (then the triangular inverse is the small one); otherwise it samples
+    v ~ N(0, I)."""
+    left, right = factors
+    if km.is_diagonal(left) and km.is_diagonal(right):
+        return True
+    if km.is_diagonal(left):
+        return left.shape[0] >= right.shape[0]
+    if km.is_diagonal(right):
+        return right.shape[0] >= left.shape[0]
+    return False
 
 
 def _with_auto_axes(body: Callable, out_like: Any, *args) -> Any:
@@ -193,72 +310,86 @@ def affine_preconditioner(
     max_size_triangular: int = 4096,
     max_skew_triangular: int = 128,
     precision: str | None = "tensorfloat32",
+    permute_axes: bool = False,
 ) -> Preconditioner:
     """Affine's :class:`~precond.jax._psgd_transform.Preconditioner`.
 
     The factors are a tree like the parameters with one :class:`AffineFactors`
     per leaf, in promote(parameter dtype, float32). A fit on (v, h): per leaf,
     (1) at the first fit with automatic scaling, both factors are multiplied by
-    (Σv²/Σh²)^{1/8}, so P by (Σv²/Σh²)^{1/2} (Σv² = numel when v is integrated
-    out); (2) with probability 0.01 (one draw for all leaves) the two factors are
-    balanced; (3) :func:`affine_update`. In whitening mode (``v`` None) v is
-    integrated out when a factor is diagonal, else drawn from ``key`` per leaf.
+    (Σv²/Σh²)^{1/8}, so P by (Σv²/Σh²)^{1/2} (Σv² = numel in whitening mode);
+    (2) :func:`affine_update`; (3) with probability 0.01 (a draw per leaf) the
+    two factors are balanced. In whitening mode (``v`` None) v is integrated out
+    by psgd-jax's rule (:func:`integrates_noise_out`), else drawn per leaf. Each
+    leaf's draws come from its share of ``key`` in psgd-jax's order.
     """
 
     def views(tree):
-        return [x.reshape(matrix_view_shape(x.shape)) for x in jax.tree.leaves(tree)]
+        return [
+            to_matrix(x, matrix_view_plan(x.shape, permute_axes))
+            for x in jax.tree.leaves(tree)
+        ]
 
     def init(params, scale, key):
-        del key
-
         def leaf_factors(p):
             dtype = jnp.promote_types(p.dtype, jnp.float32)
             return init_factors(
-                matrix_view_shape(p.shape),
+                matrix_view_plan(p.shape, permute_axes)[1],
                 scale,
                 dtype,
                 max_size_triangular,
                 max_skew_triangular,
             )
 
-        return jax.tree.map(leaf_factors, params)
+        return jax.tree.map(leaf_factors, params), key
 
-    def fit_leaf(factors, h, v, lr, first, key, balance):
+    def fit_leaf(factors, h, v, lr, first, key, newton):
         if h.size == 0:
             return factors
         dtype = factors.left.dtype
         h = h.astype(dtype)
-        if v is not None:
+        if newton:
             v = v.astype(dtype)
             v_energy = jnp.sum(km.squared_magnitude(v))
-        elif integrates_noise_out(factors):
-            v_energy = jnp.asarray(h.size, km.real_dtype(dtype))
         else:
-            v = jax.random.normal(key, h.shape, dtype)
-            v_energy = jnp.sum(km.squared_magnitude(v))
+            v_energy = jnp.asarray(h.size, km.real_dtype(dtype))
         tiny = jnp.finfo(dtype).tiny
         scale = (v_energy / (jnp.sum(km.squared_magnitude(h)) + tiny)) ** 0.125
-        factors = [jnp.where(first, Q * scale, Q) for Q in factors]
+        factors = AffineFactors(*(jnp.where(first, Q * scale, Q) for Q in factors))
+        # psgd-jax's draws from the leaf's key: v (when sampled), then the
+        # balancing decision.
+        if not newton and not integrates_noise_out(factors):
+            key, v_key = jax.random.split(key)
+            v = optax.tree.random_like(v_key, h, jax.random.normal)
+            key = jax.random.split(key)[1]
+        factors = affine_update(factors, h, v, lr, step_normalizer_order)
+        balance = jax.random.uniform(jax.random.split(key)[1]) < BALANCE_PROBABILITY
         # Balancing only rescales (O(d²) work): a select, not a branch.
-        balanced = km.balance_factors(factors)
-        factors = AffineFactors(
+        balanced = km.balance_factors(list(factors))
+        return AffineFactors(
             *(jnp.where(balance, b, Q) for b, Q in zip(balanced, factors, strict=True))
         )
-        return affine_update(factors, h, v, lr, step_normalizer_order)
 
-    def fit(factors, h, v, lr, first, key):
-        return _with_auto_axes(fit_all, factors, factors, h, v, lr, first, key)
+    def fit(factors, h, v, lr, first, key, newton):
+        return _with_auto_axes(
+            functools.partial(fit_all, newton=newton),
+            factors,
+            factors,
+            h,
+            v,
+            lr,
+            first,
+            key,
+        )
 
-    def fit_all(factors, h, v, lr, first, key):
+    def fit_all(factors, h, v, lr, first, key, newton):
         treedef = jax.tree.structure(h)
         leaf_factors = treedef.flatten_up_to(factors)
-        balance_key, noise_key = jax.random.split(key)
-        balance = jax.random.uniform(balance_key) < BALANCE_PROBABILITY
-        keys = jax.random.split(noise_key, max(len(leaf_factors), 1))
-        vs = [None] * len(leaf_factors) if v is None else views(v)
+        keys = jax.random.split(key, max(len(leaf_factors), 1))
+        vs = views(v) if newton else [None] * len(leaf_factors)
         with matmul_precision(precision), jax.named_scope("precond/affine/fit"):
             new = [
-                fit_leaf(f, h_leaf, v_leaf, lr, first, k, balance)
+                fit_leaf(f, h_leaf, v_leaf, lr, first, k, newton)
                 for f, h_leaf, v_leaf, k in zip(
                     leaf_factors, views(h), vs, keys[: len(leaf_factors)], strict=True
                 )
@@ -276,20 +407,28 @@ def affine_preconditioner(
             jax.named_scope("precond/affine/precondition"),
         ):
             out = [
-                affine_precondition(
-                    f, x.reshape(matrix_view_shape(x.shape)).astype(f.left.dtype)
-                ).reshape(x.shape)
+                from_matrix(
+                    affine_precondition(
+                        f,
+                        to_matrix(x, matrix_view_plan(x.shape, permute_axes)).astype(
+                            f.left.dtype
+                        ),
+                    ),
+                    matrix_view_plan(x.shape, permute_axes),
+                    x.shape,
+                )
                 for f, x in zip(leaf_factors, leaves, strict=True)
             ]
         return treedef.unflatten(out)
 
-    return Preconditioner(init, fit, apply)
+    return Preconditioner(init, fit, apply, draws_vector=False, fit_uses_key=True)
 
 
 # Affine's own arguments (the shared ones: PSGD_ARGUMENT_CHECKS).
 AFFINE_ARGUMENT_CHECKS = {
     "max_size_triangular": functools.partial(check_int, low=0),
     "max_skew_triangular": functools.partial(check_int, low=0),
+    "permute_axes": check_bool,
 }
 
 
@@ -306,6 +445,8 @@ def scale_by_affine(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
+    *,
+    permute_axes: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD Affine preconditioner.
 
@@ -317,10 +458,11 @@ def scale_by_affine(
     Each step: (1) with probability p fit (Q_l, Q_r) to (v, h)
     (:func:`affine_update`): Newton mode with ``update(..., Hvp=h, vector=v,
     update_preconditioner=flag)``; else whitening with h = the raw gradient and v
-    integrated out (a side diagonal) or v ~ N(0, I) (both triangular); at the
-    first fit, when ``precond_init_scale`` is None, both factors are first scaled
-    by (Σv²/Σh²)^{1/8}; with probability 0.01 the factors are balanced; (2)
-    m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m̂ + (1−β₁)g/(1−β₁ⁿ));
+    integrated out or v ~ N(0, I) (:func:`integrates_noise_out`; the first two
+    steps always fit); at the first fit, when ``precond_init_scale`` is None,
+    both factors are first scaled by (Σv²/Σh²)^{1/8} (whitening: Σv² = numel);
+    after the fit, with probability 0.01 the factors are balanced; (2)
+    m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ));
     (3) U = P·m̂, clipped to global norm ``update_global_norm_clip``. A NaN/Inf
     gradient gives a zero update and leaves the state unchanged.
 
@@ -344,6 +486,10 @@ def scale_by_affine(
             (>= 0; 0 makes every factor diagonal).
         max_skew_triangular: a side more than this many times the other one
             gets a diagonal factor (>= 0; 0 makes every factor diagonal).
+        permute_axes: view a tensor of 3 or more axes as psgd-jax does, over
+            every permutation of its axes (:func:`permuted_matrix_view`; a
+            transpose per step); False (default): the free reshape of
+            :func:`matrix_view_shape`, axes in their order.
 
     Example:
         >>> optimizer = scale_by_affine()  # doctest: +SKIP
@@ -351,11 +497,16 @@ def scale_by_affine(
     for name, value in (
         ("max_size_triangular", max_size_triangular),
         ("max_skew_triangular", max_skew_triangular),
+        ("permute_axes", permute_axes),
     ):
         AFFINE_ARGUMENT_CHECKS[name](name, value)
     return scale_by_psgd(
         affine_preconditioner(
-            step_normalizer_order, max_size_triangular, max_skew_triangular, precision
+            step_normalizer_order,
+            max_size_triangular,
+            max_skew_triangular,
+            precision,
+            permute_axes,
         ),
         preconditioner_update_probability=preconditioner_update_probability,
         b1=b1,
@@ -386,6 +537,8 @@ def affine(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
+    *,
+    permute_axes: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD Affine: ``chain(scale_by_affine, add_decayed_weights,
     scale_by_learning_rate)``.
@@ -418,5 +571,6 @@ def affine(
         precision=precision,
         max_size_triangular=max_size_triangular,
         max_skew_triangular=max_skew_triangular,
+        permute_axes=permute_axes,
     )
     return with_decay_and_learning_rate(core, learning_rate, weight_decay, mask)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from precond._common.validation import check_int
+from precond._common.validation import check_choice, check_int
 from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._kron_math import conj, conj_transpose, squared_magnitude
 from precond.jax._precision import matmul_precision
@@ -32,8 +32,10 @@ from precond.jax._psgd_transform import (
 # them as ``static_args`` to ``optax.inject_hyperparams``.
 LRA_STATIC_ARGS = ("uvd_rank_of_approximation", "seed")
 # LRA's own arguments (the shared ones: PSGD_ARGUMENT_CHECKS).
+LRA_BALANCE_METHODS = ("gauge", "norm")
 LRA_ARGUMENT_CHECKS = {
     "uvd_rank_of_approximation": functools.partial(check_int, low=1),
+    "balance_method": functools.partial(check_choice, choices=LRA_BALANCE_METHODS),
 }
 BALANCE_PROBABILITY = 0.01  # chance per fit of rebalancing ‖U‖ and ‖V‖
 UPDATE_U_PROBABILITY = 0.5  # chance per fit of stepping U (else V)
@@ -65,14 +67,23 @@ def lra_precondition(
     return conj(d) * (y + V @ (conj_transpose(U) @ y))
 
 
-def _rank2_spectral_norm(a, c, b, e):
-    """‖a cᵀ − b eᵀ‖₂ (‖a cᴴ − b eᴴ‖₂ if complex) from 2×2 Gram matrices: the
-    largest eigenvalue of [a b]ᴴ[a b]·[c −e]ᴴ[c −e] is the squared norm."""
-    aa, ab, bb = jnp.real(conj(a) @ a), conj(a) @ b, jnp.real(conj(b) @ b)
-    cc, ce, ee = jnp.real(conj(c) @ c), conj(c) @ e, jnp.real(conj(e) @ e)
-    trace = jnp.maximum(aa * cc - 2 * jnp.real(ab * conj(ce)) + bb * ee, 0)
-    det = (aa * bb - squared_magnitude(ab)) * (cc * ee - squared_magnitude(ce))
-    return jnp.sqrt(trace / 2 + jnp.sqrt(jnp.maximum(trace * trace / 4 - det, 0)))
+def _rank2_frobenius_norm(a, c, b, e):
+    """‖a cᵀ − b eᵀ‖_F (‖a cᴴ − b eᴴ‖_F if complex) from inner products:
+    ‖a‖²‖c‖² + ‖b‖²‖e‖² − 2·Re((aᴴb)(eᴴc))."""
+    squared = (
+        jnp.real(conj(a) @ a) * jnp.real(conj(c) @ c)
+        + jnp.real(conj(b) @ b) * jnp.real(conj(e) @ e)
+        - 2 * jnp.real((conj(a) @ b) * (conj(e) @ c))
+    )
+    return jnp.sqrt(jnp.abs(squared))
+
+
+def lra_scale_balance(U: jax.Array, V: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """psgd-jax's balancing: U/ρ, V·ρ with ρ = sqrt(‖U‖_F/‖V‖_F) (UVᵀ unchanged,
+    ‖U‖_F = ‖V‖_F afterwards; the r×r gauge is left free, see
+    :func:`lra_balance`)."""
+    rho = jnp.sqrt(jnp.linalg.norm(U) / jnp.linalg.norm(V))
+    return U / rho, V * rho
 
 
 def lra_balance(U: jax.Array, V: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -117,11 +128,13 @@ def lra_update(
     *,
     update_u: bool | jax.Array,
     balance: bool | jax.Array,
+    balance_method: str = "gauge",
 ) -> LRAFactors:
     """One PSGD step of Q = (I + UVᵀ)·diag(d) on the pair (v, h) (h ≈ H·v).
 
     If ``balance``: U, V ← :func:`lra_balance` (U, V) (Q unchanged; psgd-jax
-    only scaled them by one number, which lets the r×r gauge of U, V drift until
+    only scaled them by one number, :func:`lra_scale_balance`, chosen by
+    ``balance_method="norm"``, which lets the r×r gauge of U, V drift until
     float32 solves fail, after ~10⁵ steps). With
     a = Qh, b = Q⁻ᵀv = (I + VUᵀ)⁻¹(v/d) and P⁻¹v = diag(1/d)(I + UVᵀ)⁻¹b (Woodbury,
     r×r solves), and Ph = d⊙(I + VUᵀ)a:
@@ -132,15 +145,16 @@ def lra_update(
       Q ← (I − μ·EVVᵀ)Q, i.e. U ← U − μ(a(aᵀV) − b(bᵀV))(I + VᵀU), or
       Q ← (I − μ·UUᵀE)Q, i.e. V ← V − μ[(a + VUᵀa)(aᵀU) − (b + VUᵀb)(bᵀU)]; with
       the rank-2 gradient G = EVVᵀ (or UUᵀE), μ = η/(‖a‖‖VVᵀa‖ + ‖b‖‖VVᵀb‖)
-      (or UUᵀ; '2nd', a bound of ‖G‖₂ by its two terms) or η/‖G‖₂ ('1st', the
-      exact spectral norm, as max|∇d| = ‖diag(∇d)‖₂ for d).
+      (or UUᵀ; '2nd', a bound of ‖G‖₂ by its two terms) or η/‖G‖_F ('1st',
+      as psgd-jax).
 
     Complex (P = QᴴQ, Q = (I + UVᴴ)·diag(d)): every ᵀ above is ᴴ, b = Q⁻ᴴv,
     ∇d = Ph⊙h̄ − v⊙conj(P⁻¹v), E = aaᴴ − bbᴴ and squares are |·|².
     """
     tiny = jnp.finfo(d.dtype).tiny
 
-    U, V = _branch(balance, lra_balance, lambda U, V: (U, V), U, V)
+    balancer = lra_balance if balance_method == "gauge" else lra_scale_balance
+    U, V = _branch(balance, balancer, lambda U, V: (U, V), U, V)
     r = U.shape[1]
     eye = jnp.eye(r, dtype=d.dtype)
     UtV = conj_transpose(U) @ V
@@ -165,12 +179,13 @@ def lra_update(
     d = d - mu * d * grad_d
 
     def step_size(c, e):
-        """η over ‖a cᵀ − b eᵀ‖₂: bounded by its two terms ('2nd') or exact."""
+        """η over ‖a cᵀ − b eᵀ‖: bounded by its two terms ('2nd') or its
+        Frobenius norm ('1st')."""
         if step_normalizer_order == "2nd":
             norm = jnp.linalg.norm(a) * jnp.linalg.norm(c)
             norm += jnp.linalg.norm(b) * jnp.linalg.norm(e)
         else:
-            norm = _rank2_spectral_norm(a, c, b, e)
+            norm = _rank2_frobenius_norm(a, c, b, e)
         return precond_lr / (norm + tiny)
 
     def step_u(U, V):
@@ -190,51 +205,49 @@ def lra_update(
     return LRAFactors(U, V, d)
 
 
-def fit_randomness(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The random decisions of one fit from its key: (balance, update_u, v_key)
-    with P(balance) = 0.01, P(update_u) = 0.5, and v ~ N(0, I) drawn from v_key."""
-    decision_key, v_key = jax.random.split(key)
-    draws = jax.random.uniform(decision_key, (2,))
-    return draws[0] < BALANCE_PROBABILITY, draws[1] < UPDATE_U_PROBABILITY, v_key
+def fit_randomness(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The random decisions of one fit from its key, in psgd-jax's order:
+    (balance, update_u) with P(balance) = 0.01 and P(update_u) = 0.5."""
+    u_key, balance_key = jax.random.split(key)
+    balance = jax.random.uniform(balance_key) < BALANCE_PROBABILITY
+    return balance, jax.random.uniform(u_key) < UPDATE_U_PROBABILITY
 
 
 def lra_preconditioner(
     rank: int = 10,
     step_normalizer_order: str = "2nd",
     precision: str | None = "tensorfloat32",
+    balance_method: str = "gauge",
 ) -> Preconditioner:
     """LRA's :class:`~precond.jax._psgd_transform.Preconditioner`: all parameters
     flattened into one vector of n entries; r = min(rank, n) (r = n columns can
     already hold any n×n UVᵀ, more only cost memory and bigger solves);
-    U, V ~ N(0, 1)/sqrt(n(r + 10)), d = scale; at the first fit with automatic
-    scaling, d is first multiplied by (Σv²/Σh²)^{1/4}."""
+    U, V ~ N(0, 1)/sqrt(n(r + 10)) (drawn from two keys split off the seed, as
+    psgd-jax), d = scale; at the first fit with automatic scaling, d is first
+    multiplied by (Σv²/Σh²)^{1/4} (whitening: (n/Σh²)^{1/4})."""
 
     def init(params, scale, key):
         flat, _ = ravel_pytree(params)
         n = flat.shape[0]
         dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
         r = min(rank, n)
-        u_key, v_key = jax.random.split(key)
-        std = 1 / (n * (r + 10)) ** 0.5 if n else 0.0
-        return LRAFactors(
-            U=std * jax.random.normal(u_key, (n, r), dtype),
-            V=std * jax.random.normal(v_key, (n, r), dtype),
-            d=jnp.full((n,), scale, dtype),
-        )
+        norm = (n * (r + 10)) ** 0.5 if n else 1.0
+        key, u_key = jax.random.split(key)
+        U = jax.random.normal(u_key, (n, r), dtype) / norm
+        key, v_key = jax.random.split(key)
+        V = jax.random.normal(v_key, (n, r), dtype) / norm
+        return LRAFactors(U=U, V=V, d=jnp.full((n,), scale, dtype)), key
 
-    def fit(factors, h, v, lr, first, key):
+    def fit(factors, h, v, lr, first, key, newton):
         U, V, d = factors
         if d.shape[0] == 0:  # no parameters: nothing to fit (min/max need entries)
             return factors
-        balance, update_u, v_key = fit_randomness(key)
+        balance, update_u = fit_randomness(key)
         h = ravel_pytree(h)[0].astype(d.dtype)
-        if v is None:
-            v = jax.random.normal(v_key, h.shape, h.dtype)
-        else:
-            v = ravel_pytree(v)[0].astype(d.dtype)
+        v = ravel_pytree(v)[0].astype(d.dtype)
+        v_energy = jnp.sum(squared_magnitude(v)) if newton else h.shape[0]
         scale = (
-            jnp.sum(squared_magnitude(v))
-            / (jnp.sum(squared_magnitude(h)) + jnp.finfo(d.dtype).tiny)
+            v_energy / (jnp.sum(squared_magnitude(h)) + jnp.finfo(d.dtype).tiny)
         ) ** 0.25
         d = jnp.where(first, d * scale, d)
         with matmul_precision(precision), jax.named_scope("precond/lra/update"):
@@ -248,6 +261,7 @@ def lra_preconditioner(
                 step_normalizer_order,
                 update_u=update_u,
                 balance=balance,
+                balance_method=balance_method,
             )
 
     def apply(factors, m):
@@ -255,7 +269,7 @@ def lra_preconditioner(
         with matmul_precision(precision), jax.named_scope("precond/lra/precondition"):
             return unravel(lra_precondition(*factors, flat.astype(factors.d.dtype)))
 
-    return Preconditioner(init, fit, apply)
+    return Preconditioner(init, fit, apply, draws_vector=True, fit_uses_key=True)
 
 
 def scale_by_lra(
@@ -270,14 +284,17 @@ def scale_by_lra(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
+    *,
+    balance_method: str = "gauge",
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD LRA preconditioner P = QᵀQ, Q = (I + UVᵀ)diag(d).
 
     Each step: (1) with probability p fit Q to (v, h) (:func:`lra_update`):
     Newton mode with ``update(..., Hvp=h, vector=v, update_preconditioner=flag)``,
-    else whitening with h = the raw gradient and v ~ N(0, I); at the first fit,
-    when ``precond_init_scale`` is None, d is first scaled by (Σv²/Σh²)^{1/4};
-    (2) m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m̂ + (1−β₁)g/(1−β₁ⁿ));
+    else whitening with h = the raw gradient and v ~ N(0, I) (the first two
+    steps always fit); at the first fit, when ``precond_init_scale`` is None, d
+    is first scaled by (Σv²/Σh²)^{1/4} (whitening: (n/Σh²)^{1/4}); (2) m ←
+    β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ));
     (3) U = P·m̂ = d⊙(I + VUᵀ)(I + UVᵀ)(d⊙m̂), clipped to global norm
     ``update_global_norm_clip``. A NaN/Inf gradient gives a zero update and leaves
     the state unchanged. Memory: n(2r + 1) for Q, + n momentum.
@@ -298,15 +315,22 @@ def scale_by_lra(
         mu_dtype: momentum dtype (default the gradients').
         precision: matmul precision of the fit and of P·m̂ (a
             ``jax.default_matmul_precision`` name; None: JAX's default).
+        balance_method: how a fit (with probability 0.01) rebalances U and V
+            without changing Q: 'gauge' (:func:`lra_balance`, UᵀU = VᵀV) or
+            'norm' (psgd-jax's U/ρ, V·ρ, :func:`lra_scale_balance`).
 
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
     """
-    LRA_ARGUMENT_CHECKS["uvd_rank_of_approximation"](
-        "uvd_rank_of_approximation", uvd_rank_of_approximation
-    )
+    for name, value in (
+        ("uvd_rank_of_approximation", uvd_rank_of_approximation),
+        ("balance_method", balance_method),
+    ):
+        LRA_ARGUMENT_CHECKS[name](name, value)
     return scale_by_psgd(
-        lra_preconditioner(uvd_rank_of_approximation, step_normalizer_order, precision),
+        lra_preconditioner(
+            uvd_rank_of_approximation, step_normalizer_order, precision, balance_method
+        ),
         preconditioner_update_probability=preconditioner_update_probability,
         b1=b1,
         nesterov=nesterov,
@@ -335,6 +359,8 @@ def low_rank_approximation(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
+    *,
+    balance_method: str = "gauge",
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD LRA: ``chain(scale_by_lra, add_decayed_weights, scale_by_learning_rate)``.
 
@@ -366,6 +392,7 @@ def low_rank_approximation(
         seed=seed,
         mu_dtype=mu_dtype,
         precision=precision,
+        balance_method=balance_method,
     )
     return with_decay_and_learning_rate(core, learning_rate, weight_decay, mask)
 

@@ -94,27 +94,27 @@ def xmat_preconditioner(
 ) -> Preconditioner:
     """XMat's :class:`~precond.jax._psgd_transform.Preconditioner`: all
     parameters flattened into one vector; at the first fit with automatic
-    scaling, a is first multiplied by (Σv²/Σh²)^{1/4}."""
+    scaling, a is first multiplied by (Σv²/Σh²)^{1/4} (Newton) or (n/Σh²)^{1/4}
+    (whitening, v drawn by the transform)."""
 
     def init(params, scale, key):
-        del key
         flat, _ = ravel_pytree(params)
         n = flat.shape[0]
         dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
-        return XMatFactors(a=jnp.full((n,), scale, dtype), b=jnp.zeros((n,), dtype))
+        factors = XMatFactors(a=jnp.full((n,), scale, dtype), b=jnp.zeros((n,), dtype))
+        return factors, key
 
-    def fit(factors, h, v, lr, first, key):
+    def fit(factors, h, v, lr, first, key, newton):
+        del key
         a, b = factors
         if a.shape[0] == 0:  # no parameters: nothing to fit (max needs entries)
             return factors
         h = ravel_pytree(h)[0].astype(a.dtype)
-        if v is None:
-            v = jax.random.normal(key, h.shape, h.dtype)
-        else:
-            v = ravel_pytree(v)[0].astype(a.dtype)
+        v = ravel_pytree(v)[0].astype(a.dtype)
+        # Whitening: E[Σv²] = n stands for the drawn Σv² (as psgd-jax).
+        v_energy = jnp.sum(squared_magnitude(v)) if newton else h.shape[0]
         scale = (
-            jnp.sum(squared_magnitude(v))
-            / (jnp.sum(squared_magnitude(h)) + jnp.finfo(a.dtype).tiny)
+            v_energy / (jnp.sum(squared_magnitude(h)) + jnp.finfo(a.dtype).tiny)
         ) ** 0.25
         a = jnp.where(first, a * scale, a)
         return XMatFactors(*xmat_update(a, b, v, h, lr, step_normalizer_order))
@@ -142,9 +142,10 @@ def scale_by_xmat(
 
     Each step: (1) with probability p fit Q to (v, h): Newton mode with
     ``update(..., Hvp=h, vector=v, update_preconditioner=flag)``, else whitening
-    with h = the raw gradient and v ~ N(0, I); at the first fit, when
-    ``precond_init_scale`` is None, a is first scaled by (Σv²/Σh²)^{1/4}; (2)
-    m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m̂ + (1−β₁)g/(1−β₁ⁿ));
+    with h = the raw gradient and v ~ N(0, I) (the first two steps always
+    fit); at the first fit, when ``precond_init_scale`` is None, a is first
+    scaled by (Σv²/Σh²)^{1/4} (whitening: (n/Σh²)^{1/4}); (2) m ← β₁m +
+    (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ));
     (3) U = P·m̂, clipped to global norm ``update_global_norm_clip``. A NaN/Inf
     gradient gives a zero update and leaves the state unchanged.
 
