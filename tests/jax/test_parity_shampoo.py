@@ -296,6 +296,59 @@ def test_lobpcg_deflation_matches_optax_shampoo_0_0_6(google):
     assert max(worst.values()) <= 1e-5, worst
 
 
+def test_seed_layout_view_equals_0_0_6_state(google):
+    """seed_parameter_stats shows the state in the seed's per-parameter layout:
+    after 4 steps its statistics, roots (same block and axis order), momenta,
+    diagonal statistics and root errors equal 0.0.6's."""
+    rng = np.random.default_rng(3)
+    shapes = {"a": (6, 5), "b": (3, 4, 2), "c": (7,), "d": ()}
+    params = {
+        k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()
+    }
+    kwargs = {
+        **BASE,
+        **NEWER,
+        "graft_type": 2,
+        "best_effort_memory_usage_reduction": True,
+    }
+    states = []
+    for module in (google, ps):
+        opt = module.distributed_shampoo(**kwargs)
+        state = opt.init(params)
+        for step in range(4):
+            grads = jax.tree.map(lambda x, step=step: jnp.cos(x * (step + 1)), params)
+            _, state = jax.jit(opt.update)(grads, state, params)
+        states.append(state)
+    theirs, ours = states
+    view = ps.seed_parameter_stats(ours, params, **kwargs)
+
+    def close(x, y):  # relative to the whole array: roots of early, rank-deficient
+        # statistics differ by ~3e-5 in their smallest entries (float32 Newton).
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape
+        assert np.linalg.norm(x - y) <= 1e-5 * max(np.linalg.norm(y), 1e-6)
+
+    for name in shapes:
+        mine, google_stats = view[name], theirs.stats[name]
+        assert len(mine.statistics) == len(google_stats.statistics), name
+        for x, y in zip(mine.statistics, google_stats.statistics, strict=True):
+            close(x, y)
+        for x, y in zip(
+            mine.preconditioners, google_stats.preconditioners, strict=True
+        ):
+            close(x, y)
+        close(mine.momentum, google_stats.momentum.to_float())
+        close(mine.diagonal_momentum, google_stats.diagonal_momentum.to_float())
+        close(mine.diagonal_statistics, google_stats.diagonal_statistics.to_float())
+        if mine.statistics:
+            # Newton residuals at rounding level (~1e-7): absolute tolerance.
+            np.testing.assert_allclose(
+                mine.training_metrics.inverse_pth_root_errors,
+                google_stats.training_metrics.inverse_pth_root_errors,
+                atol=1e-6,
+            )
+
+
 # ------------------------------------------------------------------ optax contract
 
 

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -61,12 +62,14 @@ __all__ = [
     "SHAMPOO_STATIC_ARGS",
     "GraftingType",
     "InitFnState",
+    "ParameterStats",
     "PreconditionerType",
     "ShampooState",
     "TrainingMetrics",
     "distributed_shampoo",
     "distributed_shampoo_partition_specs",
     "distributed_shampoo_state_shapes",
+    "seed_parameter_stats",
 ]
 
 
@@ -1359,3 +1362,94 @@ def distributed_shampoo_partition_specs(
             else optax.MaskedNode()
         ),
     )
+
+
+class ParameterStats(NamedTuple):
+    """One parameter's state in the seed's per-parameter layout (a read-only
+    view made by :func:`seed_parameter_stats`; arrays in float32)."""
+
+    diagonal_statistics: Any  # like the param, or None
+    statistics: list  # per block (row-major over the block grid), per axis: (n, n)
+    preconditioners: list  # the same order: (n, n) inverse roots
+    diagonal_momentum: Any  # like the param, or None (SQRT_N sharing)
+    momentum: Any  # like the param
+    training_metrics: Any  # TrainingMetrics of this parameter's statistics
+
+
+def seed_parameter_stats(state: ShampooState, params, *args, **kwargs):
+    """``state`` seen as the seed's ``ShampooState.stats``: a tree like ``params``
+    of :class:`ParameterStats`, for code that reads the seed's per-parameter
+    fields (``stats[name].statistics[i]``, ``.training_metrics`` …). ``args`` and
+    ``kwargs`` are the ``distributed_shampoo`` arguments the state was made with.
+
+    Example:
+        >>> stats = seed_parameter_stats(state, params, 0.1, block_size=128)
+        >>> errors = stats["w"].training_metrics.inverse_pth_root_errors
+    """
+    bound = inspect.signature(distributed_shampoo).bind(*args, **kwargs)
+    bound.apply_defaults()
+    config = _validated(**bound.arguments)
+    leaves, treedef = jax.tree.flatten(params)
+    layout = _layout([p.shape for p in leaves], config)
+    statistics = [_load(s) for s in state.statistics]
+    roots = [_load(r) for r in state.preconditioners]
+    flat = treedef.flatten_up_to
+    momenta = flat(state.momentum)
+    diagonal_momenta = flat(state.diagonal_momentum)
+    diagonals = flat(state.diagonal_statistics)
+    errors = (
+        flat(state.training_metrics.inverse_pth_root_errors)
+        if config.generate_training_metrics
+        else [None] * len(leaves)
+    )
+    out = []
+    for i, p in enumerate(leaves):
+        plan, slots = layout.plans[i], layout.slots[i]
+        # (global block index, axis) -> (statistic, root, position in errors)
+        entries = {}
+        if plan is not None:
+            segments = [_axis_segments(d, config.block_size) for d in plan.merged_shape]
+            starts = [
+                list(itertools.accumulate((n for _, n, _ in axis), initial=0))
+                for axis in segments
+            ]
+            grid = tuple(axis_starts[-1] for axis_starts in starts)
+            combos = list(itertools.product(*(range(len(a)) for a in segments)))
+            position = 0
+            for (g, k), (stack, first, rows) in zip(plan.entries, slots, strict=True):
+                group = plan.groups[g]
+                for local in range(rows):
+                    coords = np.unravel_index(local, group.grid)
+                    block = int(
+                        np.ravel_multi_index(
+                            tuple(
+                                starts[a][combos[g][a]] + int(c)
+                                for a, c in enumerate(coords)
+                            ),
+                            grid,
+                        )
+                    )
+                    entries[block, k] = (
+                        statistics[stack][first + local],
+                        roots[stack][first + local],
+                        position + local,
+                    )
+                position += rows
+        order = [entries[key] for key in sorted(entries)]
+        metrics = None
+        if errors[i] is not None:
+            picked = [where for _, _, where in order] or [0]
+            metrics = TrainingMetrics(errors[i][np.asarray(picked)])
+        out.append(
+            ParameterStats(
+                diagonal_statistics=diagonals[i],
+                statistics=[s for s, _, _ in order],
+                preconditioners=[r for _, r, _ in order],
+                diagonal_momentum=None
+                if diagonal_momenta[i] is None
+                else _load_momentum(diagonal_momenta[i], p.shape),
+                momentum=_load_momentum(momenta[i], p.shape),
+                training_metrics=metrics,
+            )
+        )
+    return jax.tree.unflatten(treedef, out)
