@@ -138,9 +138,13 @@ class TorchOptimizer:
 def _make_kron(learning_rate, weight_decay: float):
     from precond.jax import kron
 
+    # No merging or blocking: the layout the recorded figures were measured with
+    # (before kron took distributed-kron 1.0.0's defaults, which merge and block).
     return kron(
         learning_rate=learning_rate,
         weight_decay=weight_decay,
+        merge_small_dims=False,
+        partition_grads_into_blocks=False,
         preconditioner_update_style="QUAD",
     )
 
