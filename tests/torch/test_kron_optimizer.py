@@ -738,8 +738,16 @@ BAD_ARGUMENTS = [
         TypeError,
         r"Invalid mu_dtype=torch.complex64: must be None or a floating torch.dtype",
     ),
-    (dict(seed=True), TypeError, r"Invalid seed=True: must be a Python int"),
-    (dict(seed=1.5), TypeError, r"Invalid seed=1.5: must be a Python int"),
+    (
+        dict(seed=True),
+        TypeError,
+        r"Invalid seed=True: must be None \(torch's global generator\) or a Python int",
+    ),
+    (
+        dict(seed=1.5),
+        TypeError,
+        r"Invalid seed=1.5: must be None \(torch's global generator\) or a Python int",
+    ),
     (
         dict(strategy="ddp"),
         TypeError,

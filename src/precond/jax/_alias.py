@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
 from precond._common.validation import check_real, is_concrete_number
+
+
+def _check_mask(name: str, value: Any) -> None:
+    """None, a callable of the params, or a pytree of bools (a prefix of the
+    params' tree: optax matches it at ``init``)."""
+    if value is None or callable(value):
+        return
+    for leaf in jax.tree.leaves(value):
+        if not (
+            isinstance(leaf, bool | np.bool_)
+            or getattr(getattr(leaf, "dtype", None), "kind", None) == "b"
+        ):
+            raise TypeError(
+                f"Invalid {name}={value!r}: must be None, a pytree of bools (a "
+                "prefix of the params' tree) or a callable of the params returning one"
+            )
+
+
+# The arguments the aliases (kron, xmat, low_rank_approximation, affine) add to
+# their cores, with their checks: Invalid <name>=<value!r>: must be <rule>.
+ALIAS_ARGUMENT_CHECKS = {
+    "learning_rate": functools.partial(check_real, low=0.0, allow_schedule=True),
+    "weight_decay": functools.partial(check_real, low=0.0),
+    "weight_decay_mask": _check_mask,  # kron's name
+    "mask": _check_mask,  # psgd-jax's name
+}
 
 
 def with_decay_and_learning_rate(
@@ -15,11 +44,17 @@ def with_decay_and_learning_rate(
     learning_rate: float | Callable,
     weight_decay: float,
     weight_decay_mask: Any | Callable | None,
+    *,
+    mask_name: str = "weight_decay_mask",
 ) -> optax.GradientTransformationExtraArgs:
     """``chain(core, add_decayed_weights, scale_by_learning_rate)``: θ ← θ −
     lr·(U + λ·mask⊙θ). The decay is left out when λ is a concrete 0."""
-    check_real("learning_rate", learning_rate, low=0.0, allow_schedule=True)
-    check_real("weight_decay", weight_decay, low=0.0)
+    for name, value in (
+        ("learning_rate", learning_rate),
+        ("weight_decay", weight_decay),
+        (mask_name, weight_decay_mask),
+    ):
+        ALIAS_ARGUMENT_CHECKS[name](name, value)
     transforms = [core]
     if not (is_concrete_number(weight_decay) and weight_decay == 0):
         transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))

@@ -573,4 +573,6 @@ def affine(
         max_skew_triangular=max_skew_triangular,
         permute_axes=permute_axes,
     )
-    return with_decay_and_learning_rate(core, learning_rate, weight_decay, mask)
+    return with_decay_and_learning_rate(
+        core, learning_rate, weight_decay, mask, mask_name="mask"
+    )

@@ -394,7 +394,9 @@ def low_rank_approximation(
         precision=precision,
         balance_method=balance_method,
     )
-    return with_decay_and_learning_rate(core, learning_rate, weight_decay, mask)
+    return with_decay_and_learning_rate(
+        core, learning_rate, weight_decay, mask, mask_name="mask"
+    )
 
 
 lra = low_rank_approximation

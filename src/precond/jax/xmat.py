@@ -225,4 +225,6 @@ def xmat(
         mu_dtype=mu_dtype,
         precision=precision,
     )
-    return with_decay_and_learning_rate(core, learning_rate, weight_decay, mask)
+    return with_decay_and_learning_rate(
+        core, learning_rate, weight_decay, mask, mask_name="mask"
+    )

@@ -11,6 +11,7 @@ call fits or applies all of their factors.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -365,14 +366,8 @@ class Kron(torch.optim.Optimizer):
             preconditioner_update_style=preconditioner_update_style,
             preconditioner_cache=preconditioner_cache,
         )
-        if seed is not None:
-            check_int("seed", seed)
-        check_bool("compile_kernels", compile_kernels)
-        if strategy is not None and not isinstance(strategy, Strategy):
-            raise TypeError(
-                f"Invalid strategy={strategy!r}: must be None or a "
-                "precond.torch.Strategy (Replicated() or ShardedPreconditioning())"
-            )
+        for name, check in OPTIMIZER_ARGUMENTS:
+            check(name, locals()[name])
         self.seed = seed
         self.strategy = strategy or Replicated()
         self.compile_kernels = compile_kernels
@@ -916,6 +911,32 @@ def _check_lr(name: str, value: Any) -> None:
 
 # The update clippings of ``Kron(update_clipping=...)``.
 UPDATE_CLIPPINGS = ("norm_and_value", "rms")
+
+
+def _check_seed(name: str, value: Any) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, numbers.Integral)
+    ):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None (torch's global generator) or "
+            "a Python int"
+        )
+
+
+def _check_strategy(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, Strategy):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a precond.torch.Strategy "
+            "(Replicated() or ShardedPreconditioning())"
+        )
+
+
+# The optimizer-wide arguments (not per group) and their checks.
+OPTIMIZER_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
+    ("seed", _check_seed),
+    ("strategy", _check_strategy),
+    ("compile_kernels", check_bool),
+)
 
 # Every per-group argument and its check: (name, check(name, value)).
 GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
