@@ -56,6 +56,8 @@ def _shampoo(graft, quantised):
         graft_type=graft,
         start_preconditioning_step=2,
         best_effort_memory_usage_reduction=quantised,
+        # int16 statistics too (the seed quantises them only under pmap).
+        quantize_statistics=quantised,
     )
 
 

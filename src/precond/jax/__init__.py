@@ -39,11 +39,15 @@ from precond.jax.lra import (
 from precond.jax.shampoo import (
     SHAMPOO_STATIC_ARGS,
     GraftingType,
+    InitFnState,
+    ParameterStats,
+    PreconditionerType,
     ShampooState,
     TrainingMetrics,
     distributed_shampoo,
     distributed_shampoo_partition_specs,
     distributed_shampoo_state_shapes,
+    seed_parameter_stats,
 )
 from precond.jax.xmat import scale_by_xmat, xmat
 
@@ -53,8 +57,11 @@ __all__ = [
     "LRA_STATIC_ARGS",
     "SHAMPOO_STATIC_ARGS",
     "GraftingType",
+    "InitFnState",
     "KronState",
     "PSGDState",
+    "ParameterStats",
+    "PreconditionerType",
     "QuantizedArray",
     "ShampooState",
     "TrainingMetrics",
@@ -77,5 +84,6 @@ __all__ = [
     "scale_by_kron",
     "scale_by_lra",
     "scale_by_xmat",
+    "seed_parameter_stats",
     "xmat",
 ]
