@@ -23,6 +23,12 @@ if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_use_fusion_emitters=false".strip()
 
+# One intra-op thread per torch process: pytest-xdist already runs one worker per
+# core, and torch's own threads on top of it made small kernels (a triu on a tiny
+# matrix) take milliseconds instead of microseconds (the torch convention and
+# parity tests: 9.5 s with torch's default, 7.2 s with one thread, 2 workers).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import jax  # noqa: E402 - after XLA_FLAGS is set
 
 assert jax.device_count() == 8, (
@@ -34,6 +40,7 @@ assert jax.device_count() == 8, (
 # first: started last, one of them keeps an xdist worker busy while the other
 # has nothing left (measured on 2 cores: 617 s before, 608 s after).
 LONGEST_FIRST = (
+    "test_parity_shampoo.py",
     "test_examples.py",
     "test_bench.py",
     "test_kron_multiprocess.py",
