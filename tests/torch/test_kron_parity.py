@@ -33,29 +33,14 @@ import torch
 from precond._common.factor_plan import merge_dims
 from precond.jax import _kron_math as jkm
 from precond.jax import kron as jax_kron
-from precond.torch import Kron as _Kron
 from precond.torch import _kron_math as tkm
 from precond.torch import kron as torch_kron_module
 from tests.jax.helpers import kron_module as jax_kron_module
 from tests.jax.helpers import seed_that_balances_at_step
 from tests.reference import kron_reference as ref
 
-# The rules precond used before kron-torch 0.1.0's became Kron's defaults (issue
-# 18): RMS update clipping with decoupled weight decay, damping noise in the fit,
-# no skew rule, diagonal vectors, float32 factors. These tests were written for
-# them (and compare with precond.jax.kron, which has them), so they pass them.
-PRECOND_RULES = dict(
-    update_clipping="rms",
-    damping=True,
-    max_skew_triangular=float("inf"),
-    min_ndim_triangular=2,
-    precond_dtype=torch.float32,
-)
-
-
-def Kron(params, **kwargs):
-    return _Kron(params, **{**PRECOND_RULES, **kwargs})
-
+# Kron with the rules these tests were written for (precond's former defaults).
+from tests.torch.test_kron_optimizer import Kron
 
 # Frameworks and references differ only by float64 rounding of O(1) quantities.
 RTOL = 1e-12
