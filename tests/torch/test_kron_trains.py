@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from precond.torch import Kron
+from tests.torch.test_kron_optimizer import PRECOND_RULES
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 sklearn_model_selection = pytest.importorskip("sklearn.model_selection")
@@ -117,13 +118,7 @@ def tuned(make_optimizer, lrs, data):
 # 0.1.0's became its defaults, issue 18), passed explicitly so the figures hold.
 # (With the new defaults, seed 0 measured: 0.0011 at lr 3e-2, 0.0013 at 1e-2,
 # test accuracy 0.993; AdamW's best 0.0060.)
-MEASURED_RULES = dict(
-    update_clipping="rms",
-    damping=True,
-    max_skew_triangular=float("inf"),
-    min_ndim_triangular=2,
-    precond_dtype=torch.float32,
-)
+MEASURED_RULES = PRECOND_RULES
 
 
 def test_kron_trains_a_cnn_on_digits_better_than_tuned_adamw(digits, one_thread):
