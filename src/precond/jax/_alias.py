@@ -47,16 +47,45 @@ def with_decay_and_learning_rate(
     *,
     mask_name: str = "weight_decay_mask",
 ) -> optax.GradientTransformationExtraArgs:
-    """``chain(core, add_decayed_weights, scale_by_learning_rate)``: θ ← θ −
-    lr·(U + λ·mask⊙θ). The decay is left out when λ is a concrete 0."""
+    """``chain(core, decay_and_learning_rate(...))``: θ ← θ − lr·(U + λ·mask⊙θ).
+
+    The state is ``(core's state, the learning rate's state)`` whatever
+    ``weight_decay`` is, so that ``optax.inject_hyperparams``, which passes λ as
+    an array (it cannot know it is 0), gives the plain optimizer's state."""
     for name, value in (
         ("learning_rate", learning_rate),
         ("weight_decay", weight_decay),
         (mask_name, weight_decay_mask),
     ):
         ALIAS_ARGUMENT_CHECKS[name](name, value)
-    transforms = [core]
+    return optax.chain(
+        core, decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask)
+    )
+
+
+def decay_and_learning_rate(
+    learning_rate: float | Callable,
+    weight_decay: float,
+    weight_decay_mask: Any | Callable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.add_decayed_weights`` then ``optax.scale_by_learning_rate``, as one
+    transformation with the state of the latter: U ↦ −lr·(U + λ·mask⊙θ). The
+    decay is skipped (not computed) when λ is a concrete 0; either way the state
+    is the same (the decay has none)."""
+    scale = optax.scale_by_learning_rate(learning_rate)
+    decay = None
     if not (is_concrete_number(weight_decay) and weight_decay == 0):
-        transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
-    transforms.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*transforms)
+        decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        if decay is not None:
+            if params is None:
+                raise ValueError(
+                    "weight_decay needs the parameters: call update(updates, state, "
+                    "params)"
+                )
+            updates, _ = decay.update(updates, decay.init(params), params)
+        return scale.update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(scale.init, update_fn)

@@ -37,6 +37,14 @@ def all_finite(*trees) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def is_params_placeholder(params) -> bool:
+    """Whether ``init`` was called by ``optax.tree.map_params``, which passes an
+    instance of optax's private ``_ParamsPlaceholder`` (a pytree node without
+    leaves) to learn where the state holds trees like the params. Per-parameter
+    buffers should be that object; other fields must not contain it."""
+    return type(params).__name__ == "_ParamsPlaceholder" and not jax.tree.leaves(params)
+
+
 def check_parameter_dtypes(params, optimizer: str, *, complex_ok: bool) -> None:
     """Refuses, at ``init``, parameters no step can move: integer or bool leaves
     (and complex ones where ``complex_ok`` is False), naming the first such leaf."""

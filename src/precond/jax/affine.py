@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 from precond._common.validation import check_bool, check_int
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
+from precond.jax._guards import is_params_placeholder
 from precond.jax._kron_sharding import explicit_specs
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
@@ -331,6 +332,11 @@ def affine_preconditioner(
         ]
 
     def init(params, scale, key):
+        if is_params_placeholder(params):
+            # optax.tree.map_params: a leaf in place of the per-parameter factors
+            # (a prefix of them), so that they are not taken for params.
+            return jnp.zeros((0,), jnp.float32), key
+
         def leaf_factors(p):
             dtype = jnp.promote_types(p.dtype, jnp.float32)
             return init_factors(
@@ -545,6 +551,9 @@ def affine(
 
     θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_affine` (see it for the
     other arguments).
+
+    The state is ``(core state, learning-rate state)`` whatever ``weight_decay``
+    is (the decay keeps none), as ``optax.inject_hyperparams`` needs.
 
     Complex parameters: supported, mixed freely with real ones (factors are per
     parameter: complex for complex parameters). The preconditioner is Hermitian, P =

@@ -957,6 +957,9 @@ def kron(
     :func:`scale_by_kron` (see it for every other argument). Kron usually wants a
     learning rate about 3× smaller than Adam's.
 
+    The state is ``(core state, learning-rate state)`` whatever ``weight_decay``
+    is (the decay keeps none), as ``optax.inject_hyperparams`` needs.
+
     Complex parameters: supported (complex64 and complex128, mixed freely with real
     ones), in every update style and cache. The preconditioner is Hermitian, P = ⊗_i
     Q_iᴴQ_i, fitted with conjugate transposes and circular complex noise
@@ -1078,10 +1081,14 @@ def get_opt_state_partition_specs(
 
 def _split_chain_state(state: Any) -> tuple[Any, Callable]:
     """The scale_by_kron state inside ``state`` (itself, or the first member of a
-    ``kron`` chain's tuple) and a function that puts a replacement back."""
+    ``kron`` chain's tuple) and a function that builds the same kind of state
+    around a replacement (for a chain, its learning rate's state, the last
+    member, follows; ``middle`` goes between them)."""
     if isinstance(state, tuple | list) and not isinstance(state, KronState):
-        return state[0], lambda first: type(state)((first, *state[1:]))
-    return state, lambda first: first
+        return state[0], lambda first, middle=(): type(state)(
+            (first, *middle, state[-1])
+        )
+    return state, lambda first, middle=(): first
 
 
 def _core_arguments(kwargs: dict) -> dict:
@@ -1213,11 +1220,21 @@ def kron_state_to_distributed_kron(
                 )
             start += units
     mu = kron_state.mu
+    # distributed-kron's chain has add_decayed_weights between its core and its
+    # learning rate when weight_decay > 0 (precond's keeps the state of none).
+    weight_decay = kwargs.get("weight_decay", 0.0)
+    decay = ()
+    if weight_decay > 0.0:
+        decay_transform = optax.add_decayed_weights(
+            weight_decay, kwargs.get("weight_decay_mask")
+        )
+        decay = (decay_transform.init(params),)
     return put_back(
         {
             "count": kron_state.count,
             "mu": mu,
             "Qs_preconditioners": treedef.unflatten(per_parameter_factors),
             "update_counter": kron_state.update_counter,
-        }
+        },
+        decay,
     )

@@ -367,6 +367,9 @@ def low_rank_approximation(
     θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_lra` (see it for the
     other arguments).
 
+    The state is ``(core state, learning-rate state)`` whatever ``weight_decay``
+    is (the decay keeps none), as ``optax.inject_hyperparams`` needs.
+
     Complex parameters: supported. P = QᴴQ is Hermitian, Q = (I + UVᴴ)·diag(d) with
     complex U, V, d, fitted with conjugate transposes and circular complex noise
     (:func:`lra_update`). All parameters are flattened into one vector, so a tree

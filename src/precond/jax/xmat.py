@@ -200,6 +200,9 @@ def xmat(
     θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_xmat` (see it for the
     other arguments).
 
+    The state is ``(core state, learning-rate state)`` whatever ``weight_decay``
+    is (the decay keeps none), as ``optax.inject_hyperparams`` needs.
+
     Complex parameters: supported. P = QᴴQ is Hermitian, Q = diag(a) + antidiag(b)
     with complex a, b, fitted with conjugate transposes and circular complex noise
     (:func:`xmat_update`). All parameters are flattened into one vector, so a tree

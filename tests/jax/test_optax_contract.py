@@ -1,0 +1,514 @@
+"""optax's optimizer contract, as one table over every public JAX optimizer.
+
+Rows are the optimizers (:data:`OPTIMIZERS`), tests are the properties optax
+expects of any of its own optimizers (its alias, contrib and tree-utility tests
+check them), each against an oracle:
+
+* ``optax.tree.map_params``: the identity keeps the state; a marker changes
+  exactly the parameter-shaped copies (momentum, ...) and nothing else; partition
+  specs of the params give those copies their specs (the documented use).
+* ``optax.inject_hyperparams``: the inner state is the plain optimizer's (tree,
+  shapes, dtypes) and five steps give the same updates.
+* ``GradientTransformationExtraArgs``: unknown keyword arguments of ``update``
+  are ignored (optax's ``chain`` passes every member all of them);
+  ``chain(clip_by_global_norm, opt)`` is ``opt`` on the clipped gradients and
+  ``with_extra_args_support`` changes nothing.
+* jit and scan: jitted ``init`` equals eager ``init``, five steps compile once,
+  ``lax.scan`` over them equals the Python loop, ``jax.eval_shape(init)`` is the
+  real state's shape tree, and the state survives ``jax.tree`` flatten/unflatten
+  and ``jax.device_get`` (the next step is bit-identical).
+* dtypes and trees: params of several kinds (dict, nested tuple and list, shapes
+  (), 1-D, 2-D, 3-D, a bare array, a ``None`` leaf, bfloat16 next to float32)
+  keep structure and dtype through ``lax.cond`` (optax's check that state and
+  update types are stable) and the loss falls; ``optax.masked`` (``MaskedNode``
+  leaves in the inner state) equals the optimizer on the unmasked leaves alone.
+* complex parameters: trains (proven in ``test_complex.py``: a complex
+  least-squares problem converges to its imaginary optimum) or is refused at
+  ``init`` with an error naming the parameter.
+
+Every test reuses, per row, one jitted update and its five-step trajectory
+(:func:`_trajectory`), so a row compiles each program once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import precond.jax as pj
+from tests.jax import test_complex
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One optimizer of the table."""
+
+    factory: Callable[..., optax.GradientTransformation]  # the public function
+    kwargs: dict  # its arguments here (small blocks, preconditioning from step 1)
+    static_args: tuple = ()  # what optax.inject_hyperparams must keep static
+    # State fields that are trees like the params (optax.tree.map_params maps them).
+    params_fields: tuple = ("mu",)
+    # True: complex parameters train (a row of test_complex.CONVERGENCE);
+    # False: init refuses them, naming the parameter.
+    complex_params: bool = True
+
+
+def _kron(style: str) -> Row:
+    kwargs = dict(
+        learning_rate=0.05,
+        preconditioner_update_style=style,
+        preconditioner_update_probability=0.5,
+    )
+    return Row(pj.kron, kwargs, pj.KRON_STATIC_ARGS)
+
+
+# name ↦ row: every public JAX optimizer of precond.jax. A new optimizer (e.g.
+# ``pro``) is one more entry here; every property below then runs over it.
+OPTIMIZERS: dict[str, Row] = {
+    "kron-EQ": _kron("EQ"),
+    "kron-QUAD": _kron("QUAD"),
+    "kron-PRO": _kron("PRO"),
+    "xmat": Row(pj.xmat, dict(learning_rate=0.05)),
+    "lra": Row(pj.low_rank_approximation, dict(learning_rate=0.05), pj.LRA_STATIC_ARGS),
+    "affine": Row(pj.affine, dict(learning_rate=0.05), pj.AFFINE_STATIC_ARGS),
+    "shampoo": Row(
+        pj.distributed_shampoo,
+        dict(learning_rate=0.05, block_size=4, start_preconditioning_step=2),
+        pj.SHAMPOO_STATIC_ARGS,
+        params_fields=("momentum", "diagonal_momentum", "diagonal_statistics"),
+        complex_params=False,
+    ),
+}
+NAMES = sorted(OPTIMIZERS)
+STEPS = 5
+
+
+def _make(name: str, **overrides) -> optax.GradientTransformation:
+    row = OPTIMIZERS[name]
+    return row.factory(**{**row.kwargs, **overrides})
+
+
+def _tree(shapes: Any, dtype=jnp.float32, seed: int = 0) -> Any:
+    """A tree like ``shapes`` (tuples of ints are shapes; None stays None) of
+    N(0, 1) draws."""
+    leaves, treedef = jax.tree.flatten(
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x),
+    )
+    rng = np.random.default_rng(seed)
+    return treedef.unflatten(
+        [jnp.asarray(rng.normal(size=shape), dtype) for shape in leaves]
+    )
+
+
+PARAMS = _tree({"w": (4, 3), "b": (3,), "conv": (2, 2, 3)})
+GRADS = [_tree(jax.tree.map(jnp.shape, PARAMS), seed=1 + step) for step in range(STEPS)]
+
+
+def _assert_trees_equal(got, want, **tolerance):
+    """Same structure, and equal leaves (bitwise unless a tolerance is given)."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for path, a in jax.tree_util.tree_leaves_with_path(got):
+        b = _at(want, path)
+        where = jax.tree_util.keystr(path)
+        assert jnp.shape(a) == jnp.shape(b), (where, jnp.shape(a), jnp.shape(b))
+        assert jnp.result_type(a) == jnp.result_type(b), where
+        check = (
+            np.testing.assert_allclose if tolerance else np.testing.assert_array_equal
+        )
+        check(
+            np.asarray(a, np.float64 if a.dtype == jnp.bfloat16 else None),
+            np.asarray(b, np.float64 if b.dtype == jnp.bfloat16 else None),
+            err_msg=jax.tree_util.keystr(path),
+            **tolerance,
+        )
+
+
+def _at(tree, path):
+    for entry in path:
+        if isinstance(entry, jax.tree_util.DictKey):
+            tree = tree[entry.key]
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            tree = tree[entry.idx]
+        elif isinstance(entry, jax.tree_util.GetAttrKey):
+            tree = getattr(tree, entry.name)
+        else:
+            tree = jax.tree_util.tree_leaves(tree)[entry.key]
+    return tree
+
+
+def _avals(tree):
+    return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+
+
+# What optax's chain passes every member along with (e.g.) a line search's
+# ``value``: each optimizer must ignore keyword arguments it does not know.
+EXTRA = dict(unexpected_extra_args_your_optimizer_doesnt_expect=1, value=2.0)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    optimizer: optax.GradientTransformation
+    update: Callable  # jitted (grads, state, params, **EXTRA) ↦ (updates, state)
+    traces: list  # one entry per trace of ``update``
+    states: list  # the initial state and the state after each step
+    updates: list  # the updates of each step
+
+
+@functools.cache
+def _trajectory(name: str) -> Trajectory:
+    """Five jitted steps of the row's optimizer on GRADS (params fixed), each
+    called with the unknown keyword arguments EXTRA."""
+    optimizer = _make(name)
+    traces: list = []
+
+    def update(grads, state, params, **extra):
+        traces.append(1)
+        return optimizer.update(grads, state, params, **extra)
+
+    update = jax.jit(update)
+    states, updates = [jax.jit(optimizer.init)(PARAMS)], []
+    for grads in GRADS:
+        step_updates, state = update(grads, states[-1], PARAMS, **EXTRA)
+        states.append(state)
+        updates.append(step_updates)
+    return Trajectory(optimizer, update, traces, states, updates)
+
+
+# ------------------------------------------------------------------ map_params
+
+
+def _core_state(state):
+    """The optimizer's own state: the first member of an alias's chain."""
+    return state[0] if type(state) is tuple else state
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_map_params_maps_exactly_the_parameter_shaped_fields(name):
+    """Identity: the same state. A marker (x ↦ x + 1): the leaves of the fields
+    that are trees like the params change, every other leaf stays. Specs of the
+    params with the rest mapped to None: those fields become the specs, and no
+    other leaf is left (optax's way to build the state's partition specs)."""
+    run = _trajectory(name)
+    optimizer, state = run.optimizer, run.states[2]
+    _assert_trees_equal(optax.tree.map_params(optimizer, lambda x: x, state), state)
+
+    marked = optax.tree.map_params(optimizer, lambda x: x + 1, state)
+    fields = OPTIMIZERS[name].params_fields
+    field = re.compile(r"^(\[0\])?\.(" + "|".join(fields) + r")\b")
+    changed = []
+    assert jax.tree.structure(marked) == jax.tree.structure(state)
+    for path, new in jax.tree_util.tree_leaves_with_path(marked):
+        old, where = _at(state, path), jax.tree_util.keystr(path)
+        if field.match(where):
+            changed.append(field.match(where).group(2))
+            np.testing.assert_array_equal(new, old + 1, err_msg=where)
+        else:
+            np.testing.assert_array_equal(new, old, err_msg=where)
+    core = _core_state(state)
+    present = [f for f in fields if jax.tree.leaves(getattr(core, f))]
+    assert sorted(set(changed)) == sorted(present), changed
+    assert len(changed) == len(present) * len(jax.tree.leaves(PARAMS))
+
+    specs = {"w": P("x", None), "b": P(), "conv": P(None, None, "y")}
+    mapped = optax.tree.map_params(
+        optimizer,
+        lambda _, spec: spec,
+        state,
+        specs,
+        transform_non_params=lambda _: None,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    mapped_core = _core_state(mapped)
+    for f in present:
+        assert getattr(mapped_core, f) == specs, f
+    leaves = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, P))
+    assert len(leaves) == len(present) * len(specs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_map_params_through_inject_hyperparams_and_chain(name):
+    """map_params sees through optax's wrappers: the parameter-shaped fields of
+    the wrapped state change, the injected hyperparameters do not."""
+    row = OPTIMIZERS[name]
+    wrapped = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(row.factory, static_args=row.static_args)(
+            **row.kwargs
+        ),
+    )
+    state = wrapped.init(PARAMS)
+    marked = optax.tree.map_params(wrapped, lambda x: x + 1, state)
+    assert marked[1].hyperparams == state[1].hyperparams
+    inner, marked_inner = (
+        _core_state(state[1].inner_state),
+        _core_state(marked[1].inner_state),
+    )
+    for f in row.params_fields:
+        if jax.tree.leaves(getattr(inner, f)):
+            _assert_trees_equal(
+                getattr(marked_inner, f),
+                jax.tree.map(lambda x: x + 1, getattr(inner, f)),
+            )
+
+
+# ------------------------------------------------------------------ inject_hyperparams
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inject_hyperparams_keeps_the_state_and_the_updates(name):
+    row = OPTIMIZERS[name]
+    run = _trajectory(name)
+    injected = optax.inject_hyperparams(row.factory, static_args=row.static_args)(
+        **row.kwargs
+    )
+    state = jax.jit(injected.init)(PARAMS)
+    # inject_hyperparams passes weight_decay as an array: the state's structure
+    # must not depend on its value.
+    decayed = _make(name, weight_decay=0.01).init(PARAMS)
+    assert jax.tree.structure(decayed) == jax.tree.structure(run.states[0])
+    assert jax.tree.structure(state.inner_state) == jax.tree.structure(run.states[0])
+    assert _avals(state.inner_state) == _avals(run.states[0])
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(
+        row.kwargs["learning_rate"]
+    )
+    update = jax.jit(injected.update)
+    for grads, want in zip(GRADS, run.updates, strict=True):
+        got, state = update(grads, state, PARAMS)
+        # Hyperparameters arrive as float32 arrays instead of Python floats (XLA
+        # folds 1 - b1 etc. in another precision): an ulp here and there,
+        # amplified by cancellation in small entries.
+        _assert_trees_equal(got, want, rtol=1e-5, atol=1e-7)
+    assert _avals(state.inner_state) == _avals(run.states[-1])
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in NAMES if OPTIMIZERS[n].static_args], ids=str
+)
+def test_inject_hyperparams_without_static_args_names_them(name):
+    """Arguments that fix shapes or code paths cannot be traced: without
+    ``static_args`` the error says which argument and how to fix it."""
+    row = OPTIMIZERS[name]
+    injected = optax.inject_hyperparams(row.factory)(**row.kwargs)
+    with pytest.raises(TypeError, match=r"Invalid \w+=.*static_args"):
+        jax.jit(injected.update)(GRADS[0], injected.init(PARAMS), PARAMS)
+
+
+# ------------------------------------------------------------------ extra arguments
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unknown_extra_arguments_are_ignored(name):
+    """Every optimizer is a GradientTransformationExtraArgs (so optax passes it
+    extra arguments, e.g. the Newton-mode Hvp, instead of dropping them). Its
+    trajectory takes EXTRA at every step, and equals the scan without them
+    (test_jit_scan_and_eval_shape_agree_with_the_loop). chain(clip, opt) called
+    with EXTRA is opt on the clipped gradients."""
+    run = _trajectory(name)
+    optimizer = run.optimizer
+    assert isinstance(optimizer, optax.GradientTransformationExtraArgs)
+    assert optax.with_extra_args_support(optimizer) is optimizer
+    chained = optax.chain(optax.clip_by_global_norm(1.0), optimizer)
+    grads = GRADS[0]
+    norm = float(optax.tree.norm(grads))
+    assert norm > 1.0  # so the clip does something
+    clipped = jax.tree.map(lambda g: g / norm, grads)
+    got, state = jax.jit(chained.update)(grads, chained.init(PARAMS), PARAMS, **EXTRA)
+    want, want_state = run.update(clipped, run.states[0], PARAMS, **EXTRA)
+    # Another program, and the chain's clip rounds g·(1/‖g‖) where this one has
+    # g/‖g‖: an ulp in the gradient, which Shampoo's inverse roots of the
+    # rank-one first statistic (condition ~1e6) amplify to ~1e-6 relative.
+    tolerance = dict(rtol=1e-5, atol=1e-6)
+    _assert_trees_equal(got, want, **tolerance)
+    _assert_trees_equal(*map(_without_metrics, (state[1], want_state)), **tolerance)
+
+
+# ------------------------------------------------------------------ jit, scan, state
+
+
+def _without_metrics(state):
+    """The state without Shampoo's training metrics (the residuals of its inverse
+    roots: rounding noise, ~1e-7, that no two compiles reproduce)."""
+    core = _core_state(state)
+    if not hasattr(core, "training_metrics"):
+        return state
+    core = core._replace(training_metrics=None)
+    return (core, *state[1:]) if type(state) is tuple else core
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jit_scan_and_eval_shape_agree_with_the_loop(name):
+    """jit(init) = init; five jitted steps trace once; lax.scan over them gives
+    the loop's updates and state; eval_shape(init), of concrete or abstract
+    params, is the real state's shapes and dtypes; update and state dtypes never
+    change."""
+    run = _trajectory(name)
+    optimizer = run.optimizer
+    # Eager and jitted init: the same random factors (LRA's U, V) up to XLA's
+    # fusion of their scaling.
+    _assert_trees_equal(optimizer.init(PARAMS), run.states[0], rtol=1e-6, atol=0)
+    assert len(run.traces) == 1
+    for state in run.states[1:]:
+        assert _avals(state) == _avals(run.states[0])
+    for updates in run.updates:
+        assert _avals(updates) == _avals(GRADS[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), PARAMS)
+    for params in (PARAMS, abstract):
+        shapes = jax.eval_shape(optimizer.init, params)
+        assert jax.tree.structure(shapes) == jax.tree.structure(run.states[0])
+        assert _avals(shapes) == _avals(run.states[0])
+
+    @jax.jit
+    def scanned(state, grads):
+        def body(state, grads):
+            updates, state = optimizer.update(grads, state, PARAMS)
+            return state, updates
+
+        return jax.lax.scan(body, state, grads)
+
+    stacked = jax.tree.map(lambda *g: jnp.stack(g), *GRADS)
+    state, updates = scanned(run.states[0], stacked)
+    # Another program than the loop's: XLA may fuse the steps differently.
+    tolerance = dict(rtol=1e-5, atol=1e-7)
+    _assert_trees_equal(*map(_without_metrics, (state, run.states[-1])), **tolerance)
+    for step, want in enumerate(run.updates):
+        got = jax.tree.map(lambda u, step=step: u[step], updates)
+        _assert_trees_equal(got, want, **tolerance)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_survives_flatten_and_device_get(name):
+    """The state after two steps, flattened and unflattened, or fetched to host
+    memory (NumPy arrays), continues with the same third step, bit for bit."""
+    run = _trajectory(name)
+    state = run.states[2]
+    leaves, treedef = jax.tree.flatten(state)
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    host = jax.device_get(state)
+    assert jax.tree.structure(host) == treedef
+    assert all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(host))
+    for restored in (rebuilt, host):
+        updates, new_state = run.update(GRADS[2], restored, PARAMS, **EXTRA)
+        _assert_trees_equal(updates, run.updates[2])
+        _assert_trees_equal(new_state, run.states[3])
+    assert len(run.traces) == 1  # host NumPy state: the same compiled update
+
+
+# ------------------------------------------------------------------ trees and dtypes
+
+# A tree of every kind a model's params come in: nested dict, tuple and list,
+# shapes (), 1-D, 2-D and 3-D, a None leaf, bfloat16 and float16 next to float32.
+KINDS = {
+    "scalar": ((),),
+    "layers": [{"kernel": (3, 2), "bias": (2,)}, ((2, 3, 2),)],
+    "none": None,
+}
+DTYPES = {"kernel": jnp.bfloat16, "bias": jnp.bfloat16, "scalar": jnp.float16}
+
+
+def _kinds_params():
+    params = _tree(KINDS, seed=11)
+
+    def cast(path, x):
+        names = [getattr(k, "key", None) for k in path]
+        dtype = next((DTYPES[n] for n in names if n in DTYPES), x.dtype)
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+@pytest.mark.parametrize("params_kind", ["tree-of-every-kind", "bare-array"])
+@pytest.mark.parametrize("name", NAMES)
+def test_params_of_every_kind_keep_structure_and_dtypes(name, params_kind):
+    """Five steps on ½‖θ − θ*‖²: inside lax.cond, as optax checks it, update and
+    state types must equal the gradients' and the old state's (else the cond
+    does not trace); the None leaf stays None; the loss falls. A bare array is
+    what optax's own tests optimize."""
+    if params_kind == "bare-array":
+        params, target = jnp.array([-1.0, 10.0, 1.0]), jnp.array([1.0, -1.0, 1.0])
+    else:
+        params = _kinds_params()
+        target = jax.tree.map(lambda x: jnp.zeros_like(x), params)
+    optimizer = _trajectory(name).optimizer
+
+    def loss(params):
+        squares = jax.tree.map(
+            lambda p, t: jnp.sum((p.astype(jnp.float32) - t) ** 2), params, target
+        )
+        return 0.5 * sum(jax.tree.leaves(squares))
+
+    @jax.jit
+    def step(params, state, take):
+        grads = jax.grad(loss)(params)
+        updates, state = jax.lax.cond(
+            take,
+            lambda: optimizer.update(grads, state, params),
+            lambda: (grads, state),
+        )
+        return optax.apply_updates(params, updates), state
+
+    state = optimizer.init(params)
+    avals = _avals(state)
+    start = loss(params)
+    for _ in range(STEPS):
+        params, state = step(params, state, True)
+    assert _avals(state) == avals
+    assert _avals(params) == _avals(jax.tree.map(lambda x: x, params))
+    if params_kind != "bare-array":
+        assert params["none"] is None
+        assert _avals(params) == _avals(_kinds_params())
+    assert float(loss(params)) < float(start)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_masked_equals_the_optimizer_on_the_unmasked_leaves(name):
+    """optax.masked leaves MaskedNode in the inner state for masked-out leaves:
+    their updates are the gradients, the others the optimizer's on the
+    unmasked leaves alone."""
+    optimizer = _trajectory(name).optimizer
+    mask = {"w": True, "b": False, "conv": True}
+    masked = optax.masked(optimizer, mask)
+    alone = {k: v for k, v in PARAMS.items() if mask[k]}
+
+    grads = GRADS[0]
+    masked_updates, _ = jax.jit(masked.update)(grads, masked.init(PARAMS), PARAMS)
+    alone_grads = {k: grads[k] for k in alone}
+    updates, _ = jax.jit(optimizer.update)(alone_grads, optimizer.init(alone), alone)
+    np.testing.assert_array_equal(masked_updates["b"], grads["b"])
+    _assert_trees_equal(
+        {k: masked_updates[k] for k in alone}, updates, rtol=1e-6, atol=1e-7
+    )
+
+
+# ------------------------------------------------------------------ complex parameters
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_complex_parameters_train_or_are_refused_at_init(name):
+    """Where complex parameters are supported, test_complex.py proves it (a
+    complex least-squares problem reaches its purely imaginary optimum, and one
+    step equals a complex float64 reference); elsewhere init refuses them with an
+    error naming the parameter, never a silent real-only step."""
+    params = {"real": jnp.ones((2, 2)), "z": jnp.ones((3, 2), jnp.complex64)}
+    if OPTIMIZERS[name].complex_params:
+        assert name in test_complex.CONVERGENCE, (
+            f"{name}: add its complex least-squares case to test_complex.CONVERGENCE"
+        )
+        state = _make(name).init(params)
+        assert any(jnp.iscomplexobj(x) for x in jax.tree.leaves(state))
+    else:
+        assert name not in test_complex.CONVERGENCE
+        with pytest.raises(
+            TypeError, match=r"does not support complex parameters: parameter \['z'\]"
+        ):
+            _make(name).init(params)
