@@ -12,7 +12,9 @@ Usage::
   ``final_val_loss`` is a finite number, no run whose ``skipped_steps`` (steps the
   optimizers' step guard refused) is not 0, and no run of another framework (a
   venv without torch must not produce torch runs);
-- ``report.md`` exists and names every workload;
+- ``report.md`` exists and names every workload, and for every framework ×
+  workload has a line naming the optimizers fastest to AdamW's final validation
+  loss in time and in steps, or saying none reached it;
 - every plot that ``report.md`` links (``![...](name.png)``) exists and is a valid
   PNG: signature, IHDR first with a non-zero size, IEND last, every chunk's CRC
   right, and more than a trivial number of bytes; at least one plot is linked.
@@ -38,12 +40,20 @@ from pathlib import Path
 
 # The JAX workloads and the optimizers a bare `precond bench` runs in JAX.
 WORKLOADS = ("digits-mlp", "digits-cnn", "char-lm")
-OPTIMIZERS = ("kron", "shampoo", "adamw", "sgd")
+OPTIMIZERS = ("kron", "shampoo", "adamw", "muon", "sgd")
 FRAMEWORKS = ("jax",)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 2000  # a real loss plot is tens of kB; an empty figure is ~1 kB
 PLOT_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
+# "- char-lm (jax): to adamw's final validation loss 2.2, fastest in time muon
+# (...); fewest steps kron (...)." or "..., none reached it."
+FASTEST_LINE = re.compile(
+    r"^- (?P<workload>\S+) \((?P<framework>\w+)\): to adamw's final validation "
+    r"loss \S+, (?:fastest in time (?P<by_time>\S+) \(.*\); fewest steps "
+    r"(?P<by_steps>\S+) \(.*\)|none reached it)\.$",
+    flags=re.M,
+)
 
 
 def _reject_constant(name: str) -> float:
@@ -126,7 +136,32 @@ def check_png(path: Path) -> list[str]:
     return []
 
 
-def check_report(folder: Path, workloads) -> tuple[list[str], int]:
+def check_fastest(path: Path, text: str, frameworks, workloads, optimizers):
+    """Problems with report.md's lines naming the fastest to AdamW's loss."""
+    found = {(m["framework"], m["workload"]): m for m in FASTEST_LINE.finditer(text)}
+    problems = []
+    for framework in frameworks:
+        for workload in workloads:
+            match = found.get((framework, workload))
+            if match is None:
+                problems.append(
+                    f"{path}: no line naming the fastest to adamw's final "
+                    f"validation loss on {workload} ({framework})"
+                )
+                continue
+            for kind in ("by_time", "by_steps"):
+                name = match[kind]
+                if name is not None and name not in optimizers:
+                    problems.append(
+                        f"{path}: {workload} ({framework}): the fastest "
+                        f"({kind.replace('_', ' ')}) is {name!r}, not a run optimizer"
+                    )
+    return problems
+
+
+def check_report(
+    folder: Path, workloads, frameworks=FRAMEWORKS, optimizers=OPTIMIZERS
+) -> tuple[list[str], int]:
     """Problems with report.md and the plots it links; the number of plots."""
     path = folder / "report.md"
     try:
@@ -134,6 +169,8 @@ def check_report(folder: Path, workloads) -> tuple[list[str], int]:
     except OSError as error:
         return [f"{path}: cannot be read: {error}"], 0
     problems = [f"{path}: does not name {w!r}" for w in workloads if w not in text]
+    if "adamw" in optimizers:
+        problems += check_fastest(path, text, frameworks, workloads, optimizers)
     plots = list(dict.fromkeys(PLOT_LINK.findall(text)))
     if not plots:
         problems.append(f"{path}: links no PNG plot")
@@ -171,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_results(
         args.output / "results.json", args.frameworks, args.workloads, args.optimizers
     )
-    report_problems, n_plots = check_report(args.output, args.workloads)
+    report_problems, n_plots = check_report(
+        args.output, args.workloads, args.frameworks, args.optimizers
+    )
     problems += report_problems
     if args.list is not None:
         problems += check_list(args.list, args.workloads, args.optimizers)
@@ -183,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"check_bench_output: {args.output}: {n_runs} runs "
         f"({','.join(args.frameworks)} × {','.join(args.workloads)} × "
-        f"{','.join(args.optimizers)}) with finite losses, report.md, "
-        f"{n_plots} valid PNG plots"
+        f"{','.join(args.optimizers)}) with finite losses, report.md (with the "
+        f"fastest to adamw's loss), {n_plots} valid PNG plots"
     )
     return 0
 

@@ -16,6 +16,7 @@ import pytest
 
 from precond.bench import cli, suite
 from precond.bench.analysis import (
+    fastest,
     reached_and_stayed,
     select_learning_rates,
     summarize,
@@ -25,7 +26,13 @@ from precond.bench.analysis import (
 from precond.bench.data import BatchStream
 from precond.bench.machine import available_cores
 from precond.bench.optimizers import OPTIMIZERS
-from precond.bench.report import format_table, format_winners, json_document
+from precond.bench.report import (
+    format_fastest,
+    format_markdown,
+    format_table,
+    format_winners,
+    json_document,
+)
 from precond.bench.runner import (
     RunConfig,
     RunResult,
@@ -368,6 +375,63 @@ def test_winner_within_the_seeds_spread_is_not_a_settled_order():
     assert (winner.best.optimizer, winner.within_spread) == ("adamw", False)
 
 
+def test_fastest_to_adamw_names_the_least_time_and_the_fewest_steps():
+    # Evaluations every 10 steps; AdamW ends at 1.0 at step 30 after 0.3 s.
+    runs = [
+        _run("adamw", 1e-3, 0, [3.0, 2.0, 1.5, 1.0]),
+        # Kron: the fewest steps (1.0 at step 10) but 4x AdamW's step time (0.4 s).
+        _run("kron", 1e-3, 0, [3.0, 1.0, 0.8, 0.7], [0, 0.4, 0.8, 1.2]),
+        # Muon: more steps (step 20) at AdamW's step time: 0.2 s, the least.
+        _run("muon", 1e-3, 0, [3.0, 1.5, 1.0, 0.9]),
+        # SGD never reaches 1.0.
+        _run("sgd", 1e-3, 0, [3.0, 2.5, 2.0, 1.8]),
+    ]
+    rows = summarize(runs)
+    (found,) = fastest(rows)
+    assert found.target == pytest.approx(1.0)
+    assert found.by_time.optimizer == "muon"
+    assert found.by_steps.optimizer == "kron"
+    line = format_fastest(rows)
+    assert line == (
+        "w (jax): to adamw's final validation loss 1, fastest in time muon "
+        "(0.2 s, 0.67 of adamw's); fewest steps kron (10 steps, 0.33 of adamw's)."
+    )
+    markdown = format_markdown(
+        rows, command="precond bench", config={}, environment={}, plots=[]
+    )
+    assert f"- {line}" in markdown
+    document = json_document(runs, rows, config={}, environment={})
+    (entry,) = document["fastest"]
+    assert entry["by_time"]["optimizer"] == "muon"
+    assert entry["by_time"]["time_to_target"] == pytest.approx(0.2)
+    assert entry["by_steps"] == {
+        "optimizer": "kron",
+        "steps_to_target": pytest.approx(10.0),
+        "time_to_target": pytest.approx(0.4),
+    }
+    # Without Kron and Muon, AdamW itself is the fastest to its own loss.
+    rows = summarize([r for r in runs if r.optimizer in ("adamw", "sgd")])
+    (found,) = fastest(rows)
+    assert (found.by_time.optimizer, found.by_steps.optimizer) == ("adamw", "adamw")
+    # Two AdamW seeds ending at 0.9 and 1.1 (target 1.0): the mean counts only
+    # when every seed reaches it, and none of these runs does.
+    runs = [
+        _run("adamw", 1e-3, 0, [3.0, 2.0, 0.9]),
+        _run("adamw", 1e-3, 1, [3.0, 2.0, 1.1]),
+        _run("muon", 1e-3, 0, [3.0, 2.0, 1.2]),
+        _run("muon", 1e-3, 1, [3.0, 2.0, 0.5]),
+    ]
+    rows = summarize(runs)
+    assert format_fastest(rows) == (
+        "w (jax): to adamw's final validation loss 1, none reached it."
+    )
+    (entry,) = json_document(runs, rows, config={}, environment={})["fastest"]
+    assert entry["by_time"] is None
+    assert entry["by_steps"] is None
+    # Without a baseline run there is no target, and no line.
+    assert format_fastest(summarize(runs[2:])) == ""
+
+
 def test_lr_multiplier_warms_up_then_decays_to_zero():
     assert lr_multiplier(0.0, "cosine") == 0.0
     assert lr_multiplier(0.025, "cosine") == pytest.approx(0.5)
@@ -434,6 +498,179 @@ def test_training_loop_budgets_evaluations_and_divergence():
     assert loop.history[-1]["step"] == 3
 
 
+# -------------------------------------------------------------------------- Muon
+
+
+def _muon_adam_rate(workload: str, framework: str) -> float:
+    return OPTIMIZERS["muon"].part_learning_rates["adam_learning_rate"][framework][
+        workload
+    ]
+
+
+def _torch_names(model, params) -> list[str]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for p in params]
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_muon_trains_the_same_hidden_matrices_in_both_frameworks(workload):
+    """Muon gets the hidden-layer weight matrices, AdamW the embeddings, the
+    output layer, the convolution kernels, biases and norms: in JAX (the Muon
+    momentum optax keeps) and in PyTorch (the parameters of each optimizer)."""
+    import jax
+    from optax import MaskedNode
+
+    spec, work = OPTIMIZERS["muon"], WORKLOADS[workload]
+    params = work.init_params(0)
+    hidden = jax.tree.leaves(work.hidden_matrices(params))
+    leaves = jax.tree.leaves_with_path(params)
+    jax_hidden = [
+        (jax.tree_util.keystr(k), x.shape)
+        for (k, x), h in zip(leaves, hidden, strict=True)
+        if h
+    ]
+    state = spec.build("jax", work, 0.02, 1e-4).init(params)
+    muon_state = state.inner_states["muon"].inner_state[0]
+    momentum = jax.tree.leaves(
+        muon_state.mu, is_leaf=lambda x: isinstance(x, MaskedNode)
+    )
+    assert [not isinstance(m, MaskedNode) for m in momentum] == hidden
+    adam_state = state.inner_states["adam"].inner_state[0]
+    moments = jax.tree.leaves(
+        adam_state.mu, is_leaf=lambda x: isinstance(x, MaskedNode)
+    )
+    assert [isinstance(m, MaskedNode) for m in moments] == hidden
+    # Every hidden matrix is 2-D; no embedding table or output layer is hidden.
+    assert jax_hidden
+    assert all(len(shape) == 2 for _, shape in jax_hidden)
+    assert not any(
+        name in path
+        for path, _ in jax_hidden
+        for name in ("embedding", "position", "head", "dense_2", "[2]")
+    )
+    expected = {
+        "digits-mlp": ["layers.0.weight", "layers.1.weight"],
+        "digits-cnn": ["dense_1.weight"],
+        "char-lm": [
+            f"layers.{i}.{name}.weight"
+            for i in range(2)
+            for name in ("attn_qkv", "attn_out", "mlp_in", "mlp_out")
+        ],
+    }[workload]
+
+    torch = pytest.importorskip("torch")
+    from precond.bench.torch_models import build_model
+
+    model = build_model(work.torch_model, 0)
+    optimizer = spec.build("torch", work, 0.02, 1e-4, model)
+    muon, adamw = optimizer.optimizers
+    assert isinstance(muon, torch.optim.Muon)
+    assert type(adamw) is torch.optim.AdamW
+    (muon_group,), (adamw_group,) = muon.param_groups, adamw.param_groups
+    assert _torch_names(model, muon_group["params"]) == expected
+    rest = [n for n, _ in model.named_parameters() if n not in expected]
+    assert _torch_names(model, adamw_group["params"]) == rest
+    # The same layers in both frameworks (torch stores Linear weights (out, in)).
+    shapes = sorted(tuple(p.shape[::-1]) for p in muon_group["params"])
+    assert shapes == sorted(tuple(shape) for _, shape in jax_hidden)
+    # Both parts decay weights; the AdamW part runs at its own rate.
+    assert muon_group["weight_decay"] == adamw_group["weight_decay"] == 1e-4
+    adam_lr = _muon_adam_rate(workload, "torch")
+    assert adamw_group["lr"] == adam_lr
+    # The bench's schedule scales both rates, keeping their ratio.
+    optimizer.set_lr(0.25 * 0.02)
+    assert muon_group["lr"] == 0.25 * 0.02
+    assert adamw_group["lr"] == pytest.approx(0.25 * adam_lr)
+
+
+def _well_conditioned(shape, seed):
+    """A matrix of ``shape`` with singular values spread over [1, 8]."""
+    rng = np.random.default_rng(seed)
+    m, n = shape
+    r = min(m, n)
+    u, _ = np.linalg.qr(rng.standard_normal((m, r)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, r)))
+    return ((u * np.linspace(1.0, 8.0, r)) @ v.T).astype(np.float32)
+
+
+def _check_muon_step(hidden_updates, other_updates, lr, adam_lr):
+    """A first step orthogonalizes each hidden matrix's gradient (its singular
+    values, spread over [1, 8], all come out near 1, times lr and the shape
+    factor sqrt(max(1, out/in))), and moves every other entry by about ±adam_lr
+    (Adam's first step is sign(g) times its rate)."""
+    for (fan_in, fan_out), update in hidden_updates:
+        scale = lr * math.sqrt(max(1.0, fan_out / fan_in))
+        singular = np.linalg.svd(
+            np.asarray(update, np.float64) / scale, compute_uv=False
+        )
+        assert singular.min() > 0.5, singular
+        assert singular.max() < 1.5, singular
+    for update in other_updates:
+        size = np.abs(np.asarray(update, np.float64)).ravel() / adam_lr
+        # 1 for torch's AdamW; optax.contrib.muon's Adam part is Nesterov's,
+        # whose first step is (1 + 2·0.9)/(1 + 0.9) ≈ 1.47.
+        assert np.ptp(size) < 1e-2 * size.max()  # ε = 1e-8 against small |g|
+        assert size.min() > 0.99, size
+        assert size.max() < 1.5, size
+
+
+def test_muon_first_step_orthogonalizes_hidden_matrices_only():
+    import jax.numpy as jnp
+
+    spec, work = OPTIMIZERS["muon"], WORKLOADS["digits-mlp"]
+    lr = 0.02
+    adam_lr = _muon_adam_rate("digits-mlp", "jax")
+    params = work.init_params(0)
+    grads = [
+        {
+            "w": jnp.asarray(_well_conditioned(p["w"].shape, i)),
+            "b": jnp.ones_like(p["b"]),
+        }
+        for i, p in enumerate(params)
+    ]
+    tx = spec.build("jax", work, lr, 0.0)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    _check_muon_step(
+        [(layer["w"].shape, -u["w"]) for layer, u in zip(params[:2], updates[:2])],
+        [updates[2]["w"], *(u["b"] for u in updates)],
+        lr,
+        adam_lr,
+    )
+
+    torch = pytest.importorskip("torch")
+    from precond.bench.torch_models import build_model
+
+    adam_lr = _muon_adam_rate("digits-mlp", "torch")
+    model = build_model(work.torch_model, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = spec.build("torch", work, lr, 0.0, model)
+    for i, layer in enumerate(model.layers):
+        layer.weight.grad = torch.from_numpy(_well_conditioned(layer.weight.shape, i))
+        layer.bias.grad = torch.ones_like(layer.bias)
+    optimizer.step()
+    moved = [(b - p.detach()).numpy() for b, p in zip(before, model.parameters())]
+    names = [n for n, _ in model.named_parameters()]
+    hidden = {"layers.0.weight", "layers.1.weight"}
+    _check_muon_step(
+        [
+            (p.shape[::-1], m)
+            for n, p, m in zip(names, model.parameters(), moved)
+            if n in hidden
+        ],
+        [m for n, m in zip(names, moved) if n not in hidden],
+        lr,
+        adam_lr,
+    )
+
+
+def test_muon_is_in_the_default_suite_of_both_frameworks():
+    for frameworks in (["jax"], ["torch"], ["jax", "torch"]):
+        names = [s.name for s in cli._resolve_optimizers(None, frameworks)]
+        assert "muon" in names, frameworks
+        assert "adamw" in names, frameworks
+    assert set(OPTIMIZERS["muon"].frameworks()) == {"jax", "torch"}
+
+
 # ------------------------------------------------------------------- full suites
 
 
@@ -451,7 +688,7 @@ def _suite(tmp_path, capsys, workload: str, framework: str):
             "--optimizers",
             ",".join(
                 n
-                for n in ("kron", "shampoo", "adamw", "sgd", "kfac")
+                for n in ("kron", "shampoo", "adamw", "muon", "sgd", "kfac")
                 if framework in OPTIMIZERS[n].frameworks() and (n != "kfac" or HAS_KFAC)
             ),
             "--batch-size",
@@ -503,7 +740,7 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     expected = {
         (f, name)
         for f in frameworks
-        for name in ("kron", "shampoo", "adamw", "sgd", "kfac")
+        for name in ("kron", "shampoo", "adamw", "muon", "sgd", "kfac")
         if f in OPTIMIZERS[name].frameworks() and (name != "kfac" or HAS_KFAC)
     }
     runs = {(r["framework"], r["optimizer"]): r for r in document["runs"]}
@@ -564,6 +801,12 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     assert f"{skipped}: none." in out
     assert f"{skipped}: none." in markdown
     assert f"- {winner}" in markdown
+    # So are the fastest to AdamW's final validation loss, in time and in steps.
+    fastest_line = f"{workload} ({framework}): to adamw's final validation loss "
+    assert fastest_line in out
+    assert f"- {fastest_line}" in markdown
+    (entry,) = document["fastest"]
+    assert entry["target"] == runs[framework, "adamw"]["final_val_loss"]
     assert "report written to" in out
     # What the figures depend on is recorded: versions, CPU, cores, threads and
     # the exact command.
@@ -664,6 +907,21 @@ def test_list_names_every_workload_and_optimizer(capsys):
                 f"{w} {spec.learning_rate(w, framework):g}" for w in WORKLOADS
             )
             assert lines[at + offset].split() == [framework, "lr:", *rates.split()]
+        # Then the rates of a part trained by a second rule (Muon's AdamW part).
+        offset = at + len(spec.frameworks())
+        for keyword, by_framework in spec.part_learning_rates.items():
+            for framework in spec.frameworks():
+                offset += 1
+                rates = ", ".join(
+                    f"{w} {by_framework[framework][w]:g}" for w in WORKLOADS
+                )
+                assert lines[offset].split() == [
+                    framework,
+                    f"{keyword}:",
+                    *rates.split(),
+                ]
+    muon = next(i for i, line in enumerate(lines) if line.split()[:1] == ["muon"])
+    assert lines[muon + 3].split()[:2] == ["jax", "adam_learning_rate:"]
     for name, workload in WORKLOADS.items():
         assert any(
             line.split()[:3] == [name, str(workload.steps), "steps,"]
@@ -829,7 +1087,7 @@ def test_without_torch_list_and_run_work(tmp_path):
     listed = _bench_process(["--list"], HIDE_TORCH="1")
     assert listed.returncode == 0, listed.stderr
     assert "PyTorch only (not installed)" in listed.stdout
-    argv = ["--workloads", "digits-mlp", "--optimizers", "adamw", "--steps", "2"]
+    argv = ["--workloads", "digits-mlp", "--optimizers", "adamw,muon", "--steps", "2"]
     argv += ["--no-progress", "--no-plots", "--output", str(tmp_path / "out")]
     run = _bench_process(argv, HIDE_TORCH="1")
     assert run.returncode == 0, run.stderr
@@ -838,7 +1096,7 @@ def test_without_torch_list_and_run_work(tmp_path):
         "(pip install 'precond[torch]' to run them)"
     ]
     document = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["framework"] for r in document["runs"]] == ["jax"]
+    assert [r["framework"] for r in document["runs"]] == ["jax", "jax"]
     assert "torch" not in document["environment"]
 
 

@@ -17,7 +17,9 @@ target has "not reached". Over seeds, the mean is reported when every seed
 reached the target, else "not reached".
 
 The winner of a (framework, workload) is the optimizer with the lowest mean final
-validation loss (:func:`winners`).
+validation loss (:func:`winners`); the fastest to the baseline's final loss are the
+one with the least training time and the one with the fewest steps to reach it
+(:func:`fastest`), the baseline itself among them.
 """
 
 from __future__ import annotations
@@ -271,4 +273,44 @@ def winners(rows: Sequence[Summary]) -> list[Winner]:
             < max(best.val_loss_std, runner_up.val_loss_std)
         )
         found.append(Winner(framework, workload, best, runner_up, within))
+    return found
+
+
+@dataclass(frozen=True)
+class Fastest:
+    """The optimizers of a (framework, workload) that reach the baseline's final
+    validation loss ``target`` in the least training time (``by_time``) and in
+    the fewest steps (``by_steps``); None where no optimizer reached it."""
+
+    framework: str
+    workload: str
+    target: float
+    by_time: Summary | None
+    by_steps: Summary | None
+
+
+def fastest(rows: Sequence[Summary]) -> list[Fastest]:
+    """One :class:`Fastest` per (framework, workload) of ``rows`` that has a
+    target (the baseline was run and its loss is finite), in order. Ties in
+    time go to the fewer steps and ties in steps to the less time, then to the
+    row first run."""
+    found = []
+    pairs = dict.fromkeys((r.framework, r.workload) for r in rows)
+    for framework, workload in pairs:
+        group = [r for r in rows if (r.framework, r.workload) == (framework, workload)]
+        targets = [r.target for r in group if r.target is not None]
+        if not targets:
+            continue
+        reached = [
+            r
+            for r in group
+            if r.steps_to_target is not None and r.time_to_target is not None
+        ]
+        by_time = min(
+            reached, key=lambda r: (r.time_to_target, r.steps_to_target), default=None
+        )
+        by_steps = min(
+            reached, key=lambda r: (r.steps_to_target, r.time_to_target), default=None
+        )
+        found.append(Fastest(framework, workload, targets[0], by_time, by_steps))
     return found

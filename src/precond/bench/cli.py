@@ -175,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
             "first point from which the linearly joined evaluations stay at or\n"
             f"below it; ratio to {BASELINE}'s steps/seconds), median step time,\n"
             "optimizer-state bytes and JAX compile time, and names the optimizer\n"
-            "with the lowest final validation loss of each workload. See --list\n"
-            "for workloads and optimizers."
+            "with the lowest final validation loss of each workload, and the ones\n"
+            f"that reach {BASELINE}'s final validation loss in the least time and\n"
+            "in the fewest steps. See --list for workloads and optimizers."
         ),
     )
     bench.add_argument(
@@ -361,6 +362,11 @@ def _format_list() -> str:
             rates = s.learning_rates[framework]
             per_workload = ", ".join(f"{k} {v:g}" for k, v in rates.items())
             lines.append(f"  {'':<{width}}  {framework} lr: {per_workload}")
+        for keyword, by_framework in s.part_learning_rates.items():
+            for framework in s.frameworks():
+                rates = by_framework[framework]
+                per_workload = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+                lines.append(f"  {'':<{width}}  {framework} {keyword}: {per_workload}")
     return "\n".join(lines)
 
 
@@ -527,6 +533,7 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from precond.bench.analysis import summarize
     from precond.bench.report import (
+        format_fastest,
         format_markdown,
         format_table,
         format_winners,
@@ -583,6 +590,9 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if rows:
         print(format_table(rows, baseline=BASELINE))
         print(format_winners(rows))
+        fastest = format_fastest(rows, baseline=BASELINE)
+        if fastest:
+            print(fastest)
         print(skipped_steps_line(rows))
 
     os.makedirs(output, exist_ok=True)

@@ -103,6 +103,12 @@ def mlp_logits(params: Params, x):
     return x @ last["w"] + last["b"]
 
 
+def mlp_hidden_matrices(params: Params) -> Params:
+    """True for the weight matrices Muon trains (every layer's but the output
+    layer's), False for the output layer and the biases."""
+    return [{"w": i < len(params) - 1, "b": False} for i in range(len(params))]
+
+
 # ---------------------------------------------------------------------------- CNN
 
 # conv 3×3 1→16, conv 3×3 stride 2 16→32 (8×8 → 4×4), dense 512→128→10.
@@ -146,6 +152,13 @@ def cnn_logits(params: Params, x):
     h = h.reshape(h.shape[0], -1)
     h = jax.nn.relu(h @ params["dense_1"] + params["dense_1_bias"])
     return h @ params["dense_2"] + params["dense_2_bias"]
+
+
+def cnn_hidden_matrices(params: Params) -> Params:
+    """True for ``dense_1`` only: the convolution kernels are 4-D (Muon, as
+    ``torch.optim.Muon`` ships it, takes 2-D parameters only, and both frameworks
+    split alike), ``dense_2`` is the output layer."""
+    return {name: name == "dense_1" for name in params}
 
 
 # -------------------------------------------------------------------- transformer
@@ -201,6 +214,20 @@ def init_char_lm(seed: int) -> Params:
         }
 
     return jax.jit(init)(jax.random.PRNGKey(seed))  # one compile, not one per op
+
+
+CHAR_LM_HIDDEN_MATRICES = ("attn_qkv", "attn_out", "mlp_in", "mlp_out")
+
+
+def char_lm_hidden_matrices(params: Params) -> Params:
+    """True for the blocks' attention and MLP weight matrices; False for the
+    byte and position embeddings, the output head, the norms and the biases."""
+    import jax
+
+    def hidden(path, _) -> bool:
+        return getattr(path[-1], "key", None) in CHAR_LM_HIDDEN_MATRICES
+
+    return jax.tree_util.tree_map_with_path(hidden, params)
 
 
 def layer_norm(x, norm: dict[str, Any]):

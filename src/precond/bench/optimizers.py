@@ -10,7 +10,10 @@ optax, torch and precond when called, never at import time.
 To add a PyTorch optimizer, write a factory ``(model, lr, weight_decay) ↦
 TorchOptimizer`` and register an :class:`OptimizerSpec` with it in
 :data:`OPTIMIZERS` (see ``_make_torch_kfac``: a gradient preconditioner stepped
-before an SGD step).
+before an SGD step). An optimizer that trains part of the model with a second
+rule (Muon: AdamW for embeddings, the output head, biases and norms) lists that
+part's rates in ``part_learning_rates`` and, with ``partitioned``, gets the
+workload's split of its parameters (see ``_make_muon``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,15 @@ class OptimizerSpec:
             :data:`LEARNING_RATES` (``--lr name=value`` overrides it).
         requires: modules that must be importable for the PyTorch factory.
         default: run by a bare ``precond bench`` (others only when named).
+        part_learning_rates: keyword ↦ framework ↦ workload ↦ the peak rate of a
+            part of the model that a second rule trains (Muon's AdamW part:
+            ``adam_learning_rate``), given to both factories as that keyword
+            argument. ``--lr`` and ``--lr-sweep`` change ``learning_rates`` only;
+            the bench's schedule multiplies both rates alike.
+        partitioned: the factories split the parameters into hidden-layer weight
+            matrices and the rest: the JAX factory gets the workload's
+            ``hidden_matrices`` rule as a keyword argument, the PyTorch factory
+            calls the model's ``hidden_matrices()``.
     """
 
     name: str
@@ -63,6 +75,10 @@ class OptimizerSpec:
     learning_rates: dict[str, dict[str, float]] = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     default: bool = True
+    part_learning_rates: dict[str, dict[str, dict[str, float]]] = field(
+        default_factory=dict
+    )
+    partitioned: bool = False
 
     def frameworks(self) -> tuple[str, ...]:
         """The frameworks this optimizer has a factory for."""
@@ -81,37 +97,78 @@ class OptimizerSpec:
         """Whether the modules of ``requires`` are installed."""
         return all(module_installed(m) for m in self.requires)
 
+    def factory_arguments(self, framework: str, workload: Any) -> dict[str, Any]:
+        """The keyword arguments a factory gets besides the rate and the weight
+        decay on ``workload`` (a :class:`precond.bench.workloads.Workload`)."""
+        arguments: dict[str, Any] = {
+            keyword: rates[framework][workload.name]
+            for keyword, rates in self.part_learning_rates.items()
+        }
+        if self.partitioned and framework == "jax":
+            arguments["hidden_matrices"] = workload.hidden_matrices
+        return arguments
+
+    def build(
+        self,
+        framework: str,
+        workload: Any,
+        learning_rate: Any,
+        weight_decay: float,
+        model: Any = None,
+    ) -> Any:
+        """This optimizer in ``framework`` for ``workload``: an optax
+        transformation (JAX), or a :class:`TorchOptimizer` for ``model``."""
+        arguments = self.factory_arguments(framework, workload)
+        if framework == "jax":
+            return self.make(learning_rate, weight_decay, **arguments)
+        return self.make_torch(model, learning_rate, weight_decay, **arguments)
+
 
 class TorchOptimizer:
     """A PyTorch optimizer as the runner drives it: an optional gradient
     preconditioner (``preconditioner.step()`` rewrites the ``.grad`` fields, as
-    K-FAC does) followed by a ``torch.optim.Optimizer`` step.
+    K-FAC does) followed by the steps of one or more ``torch.optim.Optimizer``
+    over disjoint parameters (Muon for the hidden matrices, AdamW for the rest).
 
     Args:
-        optimizer: the ``torch.optim.Optimizer`` that applies the update.
+        optimizer: the ``torch.optim.Optimizer`` that applies the update, or a
+            sequence of them; the first one's first param group holds the peak
+            rate the factory was given.
         preconditioner: an object with ``step()``, stepped before ``optimizer``,
             and ``memory_bytes()`` (its state), or None.
     """
 
     def __init__(self, optimizer: Any, preconditioner: Any = None):
-        self.optimizer = optimizer
+        optimizers = (
+            list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+        )
+        self.optimizers = optimizers
+        self.optimizer = optimizers[0]
         self.preconditioner = preconditioner
-        self.lr = optimizer.param_groups[0]["lr"]
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        # Each group's peak rate relative to the first: set_lr keeps the ratios.
+        self._relative = [
+            [group["lr"] / self.lr for group in o.param_groups] for o in optimizers
+        ]
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def set_lr(self, lr: float) -> None:
-        """Sets the learning rate of every param group (and of the
-        preconditioner, through ``self.lr``, if it reads it)."""
+        """Sets the learning rate of the first param group to ``lr`` and every
+        other group's to ``lr`` times its peak rate's ratio to the first's (and
+        the preconditioner's, through ``self.lr``, if it reads it)."""
         self.lr = lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for optimizer, ratios in zip(self.optimizers, self._relative, strict=True):
+            for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
+                group["lr"] = lr if ratio == 1.0 else lr * ratio
 
     def step(self) -> None:
         if self.preconditioner is not None:
             self.preconditioner.step()
-        self.optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.step()
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's state tensors and the preconditioner's."""
@@ -126,7 +183,7 @@ class TorchOptimizer:
                 return sum(nbytes(v) for v in value)
             return 0
 
-        total = nbytes(dict(self.optimizer.state))
+        total = sum(nbytes(dict(o.state)) for o in self.optimizers)
         if self.preconditioner is not None:
             total += self.preconditioner.memory_bytes()
         return total
@@ -207,6 +264,43 @@ def _make_sgd(learning_rate, weight_decay: float):
     )
 
 
+def _make_muon(
+    learning_rate,
+    weight_decay: float,
+    *,
+    adam_learning_rate,
+    hidden_matrices: Callable[[Any], Any],
+):
+    """``optax.contrib.muon`` (its defaults: Nesterov momentum 0.95, 5
+    Newton-Schulz steps, the update scaled by sqrt(max(1, fan_out/fan_in))) on
+    the parameters ``hidden_matrices(params)`` marks True, and the AdamW that
+    ``optax.contrib.muon`` ships for the rest (β=(0.9, 0.999), Nesterov) at
+    ``adam_learning_rate``. Both parts decay weights as θ ← θ − lr·(u + λθ).
+
+    Without ``muon_weight_dimension_numbers``, optax would give Muon every 2-D
+    parameter, the embedding tables and the output head included; Muon's
+    documentation prescribes AdamW for those, so the workload's rule decides.
+    """
+    import jax
+    from optax.contrib import MuonDimensionNumbers, muon
+
+    def dimension_numbers(params):
+        # (in, out) matrices, as the bench's models store them: the default
+        # reduction axis 0 and output axis 1; None leaves go to AdamW.
+        return jax.tree.map(
+            lambda hidden: MuonDimensionNumbers() if hidden else None,
+            hidden_matrices(params),
+        )
+
+    return muon(
+        learning_rate,
+        weight_decay=weight_decay,
+        adam_weight_decay=weight_decay,
+        adam_learning_rate=adam_learning_rate,
+        muon_weight_dimension_numbers=dimension_numbers,
+    )
+
+
 # ------------------------------------------------------------------------- torch
 
 
@@ -242,6 +336,28 @@ def _make_torch_adamw(model, lr: float, weight_decay: float) -> TorchOptimizer:
 
     return TorchOptimizer(
         torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    )
+
+
+def _make_torch_muon(
+    model, lr: float, weight_decay: float, *, adam_learning_rate: float
+) -> TorchOptimizer:
+    """``torch.optim.Muon`` (its defaults: Nesterov momentum 0.95, 5
+    Newton-Schulz steps in bfloat16, the "original" rate adjustment
+    sqrt(max(1, out/in))) on ``model.hidden_matrices()``, and
+    ``torch.optim.AdamW`` (β=(0.9, 0.999), ε=1e-8) at ``adam_learning_rate`` on
+    every other parameter (embeddings, output head, biases, norms), as torch's
+    documentation of Muon prescribes. Both decay weights as θ ← θ(1 − lr·λ)."""
+    import torch
+
+    hidden = {id(p) for p in model.hidden_matrices()}
+    matrices = [p for p in model.parameters() if id(p) in hidden]
+    rest = [p for p in model.parameters() if id(p) not in hidden]
+    return TorchOptimizer(
+        [
+            torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay),
+            torch.optim.AdamW(rest, lr=adam_learning_rate, weight_decay=weight_decay),
+        ]
     )
 
 
@@ -311,7 +427,15 @@ LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
         f: {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 1e-2} for f in _BOTH
     },
     "sgd": {f: {"digits-mlp": 0.03, "digits-cnn": 0.03, "char-lm": 0.3} for f in _BOTH},
+    # Muon's rate for the hidden matrices (its AdamW part: MUON_ADAM_LEARNING_RATES).
+    "muon": {
+        f: {"digits-mlp": 0.02, "digits-cnn": 0.02, "char-lm": 0.02} for f in _BOTH
+    },
 }
+
+# The rate of Muon's AdamW part (embeddings, output head, biases, norms): AdamW's
+# own rate on the workload, the rule Muon's users follow.
+MUON_ADAM_LEARNING_RATES = LEARNING_RATES["adamw"]
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     spec.name: spec
@@ -348,6 +472,17 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_adamw,
             make_torch=_make_torch_adamw,
             learning_rates=LEARNING_RATES["adamw"],
+        ),
+        OptimizerSpec(
+            name="muon",
+            description="Muon (optax.contrib.muon / torch.optim.Muon, momentum "
+            "0.95, 5 Newton-Schulz steps) on hidden weight matrices, AdamW on "
+            "embeddings, output head, biases and norms",
+            make=_make_muon,
+            make_torch=_make_torch_muon,
+            learning_rates=LEARNING_RATES["muon"],
+            part_learning_rates={"adam_learning_rate": MUON_ADAM_LEARNING_RATES},
+            partitioned=True,
         ),
         OptimizerSpec(
             name="sgd",

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from precond.bench.analysis import Summary, Winner, ranked, winners
+from precond.bench.analysis import (
+    Fastest,
+    Summary,
+    Winner,
+    fastest,
+    ranked,
+    winners,
+)
 from precond.bench.runner import RunResult
 
 JSON_SCHEMA_VERSION = 2
@@ -149,6 +156,34 @@ def format_winners(rows: Sequence[Summary]) -> str:
     return "\n".join(winner_line(w) for w in winners(rows))
 
 
+def fastest_line(found: Fastest, baseline: str = "adamw") -> str:
+    """One sentence naming the optimizer that reaches ``baseline``'s final
+    validation loss of a (framework, workload) in the least training time and
+    the one that does in the fewest steps, or that none reached it."""
+    head = (
+        f"{found.workload} ({found.framework}): to {baseline}'s final validation "
+        f"loss {_number(found.target, '.4g')}, "
+    )
+    if found.by_time is None or found.by_steps is None:
+        return head + "none reached it."
+    by_time, by_steps = found.by_time, found.by_steps
+    time_text = f"{by_time.time_to_target:.3g} s"
+    if by_time.time_ratio is not None:
+        time_text += f", {by_time.time_ratio:.2f} of {baseline}'s"
+    steps_text = f"{by_steps.steps_to_target:.0f} steps"
+    if by_steps.steps_ratio is not None:
+        steps_text += f", {by_steps.steps_ratio:.2f} of {baseline}'s"
+    return (
+        head + f"fastest in time {by_time.optimizer} ({time_text}); fewest steps "
+        f"{by_steps.optimizer} ({steps_text})."
+    )
+
+
+def format_fastest(rows: Sequence[Summary], baseline: str = "adamw") -> str:
+    """One :func:`fastest_line` per (framework, workload) with a baseline."""
+    return "\n".join(fastest_line(f, baseline) for f in fastest(rows))
+
+
 def format_table(rows: Sequence[Summary], baseline: str = "adamw") -> str:
     """A plain-text table, one row per optimizer at its selected rate.
 
@@ -216,6 +251,12 @@ def format_markdown(
         "over seeds where there are several):",
         "",
         *(f"- {winner_line(w)}" for w in winners(rows)),
+        "",
+        f"Fastest to {baseline}'s final validation loss (mean over seeds, at each "
+        f"optimizer's selected learning rate; {baseline} itself counts), in "
+        "training time and in steps:",
+        "",
+        *(f"- {fastest_line(f, baseline)}" for f in fastest(rows)),
         "",
         skipped_steps_line(rows),
         "",
@@ -292,6 +333,25 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
+def _fastest_entry(found: Fastest) -> dict[str, Any]:
+    def reached(row: Summary | None) -> dict[str, Any] | None:
+        if row is None:
+            return None
+        return {
+            "optimizer": row.optimizer,
+            "steps_to_target": row.steps_to_target,
+            "time_to_target": row.time_to_target,
+        }
+
+    return {
+        "framework": found.framework,
+        "workload": found.workload,
+        "target": found.target,
+        "by_time": reached(found.by_time),
+        "by_steps": reached(found.by_steps),
+    }
+
+
 def json_document(
     results: Sequence[RunResult],
     rows: Sequence[Summary],
@@ -302,8 +362,9 @@ def json_document(
     interrupted: bool = False,
 ) -> dict[str, Any]:
     """A JSON-ready dict: schema version, the command's config, the environment,
-    the baseline, whether the suite was interrupted, one summary per optimizer
-    and one dict per run (non-finite numbers become null)."""
+    the baseline, whether the suite was interrupted, one summary per optimizer,
+    the fastest optimizers to the baseline's final loss per (framework,
+    workload) and one dict per run (non-finite numbers become null)."""
     summaries = []
     for row in rows:
         d = asdict(row)
@@ -317,6 +378,7 @@ def json_document(
             "baseline": baseline,
             "interrupted": interrupted,
             "summary": summaries,
+            "fastest": [_fastest_entry(f) for f in fastest(rows)],
             "runs": [r.to_dict() for r in results],
         }
     )

@@ -378,7 +378,7 @@ def run_jax(
         x_train, y_train, x_test, y_test = put(
             (split.x_train, split.y_train, split.x_test, split.y_test)
         )
-        optimizer = spec.make(learning_rate, weight_decay)
+        optimizer = spec.build("jax", workload, learning_rate, weight_decay)
         params = put(workload.init_params(config.seed))
         opt_state = optimizer.init(params)
 

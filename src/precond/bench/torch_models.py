@@ -42,6 +42,10 @@ class MLP(nn.Module):
         for layer, m in zip(self.layers, sizes[:-1], strict=True):
             _init_linear(layer, math.sqrt(2.0 / m))
 
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The weights Muon trains: every layer's but the output layer's."""
+        return [layer.weight for layer in self.layers[:-1]]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *hidden, last = self.layers
         for layer in hidden:
@@ -64,6 +68,11 @@ class CNN(nn.Module):
         _init_linear(self.conv_2, math.sqrt(2 / (9 * c1)))
         _init_linear(self.dense_1, math.sqrt(2 / (16 * c2)))
         _init_linear(self.dense_2, math.sqrt(2 / DIGITS_CNN_HIDDEN))
+
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The weights Muon trains: ``dense_1``'s (the kernels are 4-D,
+        ``dense_2`` is the output layer)."""
+        return [self.dense_1.weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(x.shape[0], 1, 8, 8)
@@ -116,6 +125,15 @@ class CharLM(nn.Module):
         self.head = nn.Linear(d, CHAR_LM_VOCAB, bias=False)
         nn.init.normal_(self.embedding.weight, std=1.0)
         nn.init.normal_(self.head.weight, std=0.02)
+
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The weights Muon trains: the blocks' attention and MLP matrices (not
+        the embeddings, the head, the norms or the biases)."""
+        return [
+            getattr(block, name).weight
+            for block in self.layers
+            for name in ("attn_qkv", "attn_out", "mlp_in", "mlp_out")
+        ]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens) + self.position[: tokens.shape[1]]

@@ -51,7 +51,7 @@ def run_torch(
     x_test, y_test = _tensor(split.x_test), _tensor(split.y_test)
     torch.manual_seed(config.seed)
     model = build_model(workload.torch_model, config.seed)
-    optimizer = spec.make_torch(model, learning_rate, weight_decay)
+    optimizer = spec.build("torch", workload, learning_rate, weight_decay, model)
     if on_compiled is not None:
         on_compiled(0.0)
 

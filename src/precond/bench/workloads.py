@@ -23,12 +23,15 @@ from precond.bench.data import (  # re-exported: the benchmark scripts use them
     load_digits_split,
 )
 from precond.bench.jax_models import (
+    char_lm_hidden_matrices,
     char_lm_logits,
+    cnn_hidden_matrices,
     cnn_logits,
     cross_entropy,
     init_char_lm,
     init_cnn,
     init_mlp,
+    mlp_hidden_matrices,
     mlp_logits,
     scored_metrics,
 )
@@ -68,6 +71,10 @@ class Workload:
         eval_every: steps between evaluations on the validation (test) rows.
         split_seed: the seed of the train/test split used by the bench, fixed so
             every training seed is scored on the same test rows.
+        hidden_matrices: params ↦ a tree of bools, True for the hidden-layer
+            weight matrices (every 2-D weight but embedding tables and the output
+            layer): the parameters Muon trains, AdamW the rest. The PyTorch
+            model's ``hidden_matrices()`` selects the same layers.
     """
 
     name: str
@@ -81,9 +88,12 @@ class Workload:
     batch_size: int
     eval_every: int
     split_seed: int = 0
+    hidden_matrices: Callable[[Params], Params] | None = None
 
 
-def _workload(name, description, load_split, init, logits, torch_model, **budget):
+def _workload(
+    name, description, load_split, init, logits, hidden, torch_model, **budget
+):
     return Workload(
         name=name,
         description=description,
@@ -92,6 +102,7 @@ def _workload(name, description, load_split, init, logits, torch_model, **budget
         loss=cross_entropy(logits),
         metrics=scored_metrics(logits),
         torch_model=torch_model,
+        hidden_matrices=hidden,
         **budget,
     )
 
@@ -105,6 +116,7 @@ WORKLOADS: dict[str, Workload] = {
             load_digits_split,
             init_mlp,
             mlp_logits,
+            mlp_hidden_matrices,
             "mlp",
             steps=300,
             batch_size=128,
@@ -116,6 +128,7 @@ WORKLOADS: dict[str, Workload] = {
             load_digits_split,
             init_cnn,
             cnn_logits,
+            cnn_hidden_matrices,
             "cnn",
             steps=200,
             batch_size=128,
@@ -129,6 +142,7 @@ WORKLOADS: dict[str, Workload] = {
             load_char_lm_split,
             init_char_lm,
             char_lm_logits,
+            char_lm_hidden_matrices,
             "char-lm",
             steps=200,
             batch_size=32,
