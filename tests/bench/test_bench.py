@@ -663,6 +663,33 @@ def test_muon_first_step_orthogonalizes_hidden_matrices_only():
     )
 
 
+def test_lr_sets_muons_adamw_part_and_the_sweep_scales_muons_rate_only():
+    argv = ["bench", "--optimizers", "muon", "--lr", "muon=0.05"]
+    args = cli.build_parser().parse_args(
+        [*argv, "--lr", "muon.adam_learning_rate=1e-3"]
+    )
+    overrides = cli._check_lr(args, [OPTIMIZERS["muon"]])
+    assert overrides == {"muon": 0.05, "muon.adam_learning_rate": 1e-3}
+    jobs = suite.plan(
+        ["jax", "torch"],
+        [WORKLOADS["digits-mlp"], WORKLOADS["char-lm"]],
+        [OPTIMIZERS["muon"], OPTIMIZERS["adamw"]],
+        seeds=[0],
+        lr_multipliers=[1.0, 3.0],
+        lr_overrides=overrides,
+    )
+    muon = [j for j in jobs if j.spec.name == "muon"]
+    assert len(muon) == 8
+    assert sorted({j.learning_rate for j in muon}) == [0.05, pytest.approx(0.15)]
+    for job in muon:
+        arguments = job.spec.factory_arguments(job.framework, job.workload)
+        assert arguments["adam_learning_rate"] == 1e-3
+    # The registry keeps its rates, and AdamW is not affected.
+    assert _muon_adam_rate("char-lm", "jax") != 1e-3
+    adamw = [j for j in jobs if j.spec.name == "adamw"]
+    assert adamw[0].spec is OPTIMIZERS["adamw"]
+
+
 def test_muon_is_in_the_default_suite_of_both_frameworks():
     for frameworks in (["jax"], ["torch"], ["jax", "torch"]):
         names = [s.name for s in cli._resolve_optimizers(None, frameworks)]
@@ -970,6 +997,10 @@ def test_help_documents_every_flag(capsys):
         (["--lr", "kron=nan"], "must be a finite number > 0"),
         (["--lr", "adamw=1e-3", "--optimizers", "kron"], "not among the optimizers"),
         (["--lr", "kron=1e-3", "--lr", "kron=2e-3"], "more than once"),
+        (["--lr", "kron.adam_learning_rate=1e-3"], "'kron' has no part rate"),
+        (["--lr", "muon.beta=0.9"], "no part rate 'beta'; choose from adam_lear"),
+        (["--lr", "muon.adam_learning_rate=0"], "must be a finite number > 0"),
+        (["--lr", "muon.adam_learning_rate=1", "--optimizers", "kron"], "not among"),
         (["--weight-decay", "-1"], "--weight-decay"),
         (["--schedule", "linear"], "invalid choice: 'linear'"),
         (["--optimizers", "shampoo", "--frameworks", "torch"], "exists in jax only"),

@@ -126,15 +126,24 @@ def _multipliers(text: str) -> list[float]:
 
 
 def _lr_override(text: str) -> tuple[str, float]:
+    """``NAME=VALUE`` (an optimizer's rate) or ``NAME.KEYWORD=VALUE`` (the rate
+    of one of its parts, e.g. ``muon.adam_learning_rate=1e-3``)."""
     name, sep, value_text = text.partition("=")
     name = name.strip()
     if not sep or not name:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not of the form NAME=VALUE (e.g. kron=1e-3)"
         )
-    if name not in OPTIMIZERS:
+    optimizer, _, keyword = name.partition(".")
+    if optimizer not in OPTIMIZERS:
         raise argparse.ArgumentTypeError(
-            f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}"
+            f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}"
+        )
+    parts = OPTIMIZERS[optimizer].part_learning_rates
+    if keyword and keyword not in parts:
+        raise argparse.ArgumentTypeError(
+            f"optimizer {optimizer!r} has no part rate {keyword!r}"
+            + (f"; choose from {', '.join(parts)}" if parts else "")
         )
     try:
         value = float(value_text)
@@ -258,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help=(
             "peak learning rate of one optimizer on every workload, e.g. "
-            "--lr kron=3e-4; repeat for several (defaults: see --list)"
+            "--lr kron=3e-4, or of a part of it that a second rule trains, e.g. "
+            "--lr muon.adam_learning_rate=1e-3 (--lr-sweep does not scale "
+            "those); repeat for several (defaults: see --list)"
         ),
     )
     bench.add_argument(
@@ -465,9 +476,10 @@ def _check_lr(args: argparse.Namespace, specs) -> dict[str, float]:
     for name, value in args.lr:
         if name in overrides:
             raise _error(f"--lr {name}= given more than once")
-        if name not in names:
+        optimizer = name.partition(".")[0]
+        if optimizer not in names:
             raise _error(
-                f"--lr {name}= given but {name!r} is not among the optimizers "
+                f"--lr {name}= given but {optimizer!r} is not among the optimizers "
                 f"to run ({','.join(names)})"
             )
         overrides[name] = value

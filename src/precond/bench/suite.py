@@ -53,7 +53,9 @@ def plan(
 
     An optimizer without a version in a framework is left out of that framework.
     Each optimizer's rates are its rate on the workload (``lr_overrides`` or its
-    default) times each of ``lr_multipliers``. Without ``steps`` or
+    default) times each of ``lr_multipliers``; an ``lr_overrides`` key
+    ``"NAME.KEYWORD"`` sets the rate of one of its ``part_learning_rates`` on
+    every workload instead (not multiplied). Without ``steps`` or
     ``time_budget_s``, each workload's own step budget is used; ``batch_size``
     overrides the workloads' own. ``devices`` applies to JAX runs only.
     """
@@ -68,9 +70,10 @@ def plan(
                 eval_every=workload.eval_every,
                 devices=devices if framework == "jax" else 1,
             )
-            for spec in optimizers:
-                if framework not in spec.frameworks():
+            for registered in optimizers:
+                if framework not in registered.frameworks():
                     continue
+                spec = _with_part_rates(registered, lr_overrides or {})
                 peak = (lr_overrides or {}).get(spec.name)
                 if peak is None:
                     peak = spec.learning_rate(workload.name, framework)
@@ -86,6 +89,22 @@ def plan(
                             )
                         )
     return jobs
+
+
+def _with_part_rates(spec: OptimizerSpec, overrides: dict[str, float]) -> OptimizerSpec:
+    """``spec`` with the part rates that ``overrides`` gives as ``NAME.KEYWORD``
+    set on every framework and workload."""
+    parts = dict(spec.part_learning_rates)
+    for key, value in overrides.items():
+        name, _, keyword = key.partition(".")
+        if name == spec.name and keyword:
+            parts[keyword] = {
+                framework: dict.fromkeys(rates, value)
+                for framework, rates in parts[keyword].items()
+            }
+    if parts == spec.part_learning_rates:
+        return spec
+    return replace(spec, part_learning_rates=parts)
 
 
 @dataclass
