@@ -1,8 +1,9 @@
 """Conformance of precond.jax.kron as an optax optimizer (DESIGN.md §7.3).
 
 Convergence on an ill-conditioned quadratic and on Rosenbrock, no retracing,
-inject_hyperparams, MultiSteps, dtypes, pytree edge cases and the non-finite
-gradient policy.
+MultiSteps, dtypes, pytree edge cases and the non-finite gradient policy.
+optax.inject_hyperparams (and the rest of optax's optimizer contract) is in
+test_optax_contract.py's table of every optimizer.
 """
 
 import jax
@@ -143,32 +144,6 @@ def _run_steps(optimizer, params, num_steps, seed=0):
 
 
 PARAMS = {"w": jnp.ones((6, 5)), "b": jnp.zeros(5), "conv": jnp.ones((3, 2, 2, 2))}
-
-
-def test_inject_hyperparams_gives_same_updates():
-    hyper = dict(
-        learning_rate=3e-3,
-        b1=0.9,
-        weight_decay=0.01,
-        preconditioner_lr=0.1,
-        preconditioner_init_scale=1.0,
-        preconditioner_update_probability=0.5,
-    )
-    plain, _ = _run_steps(pj.kron(**hyper), PARAMS, 6)
-    injected_kron = optax.inject_hyperparams(pj.kron, static_args=pj.KRON_STATIC_ARGS)
-    injected, state = _run_steps(injected_kron(**hyper), PARAMS, 6)
-    # float32: hyperparameters arrive as arrays instead of Python floats, which moves
-    # roundings by an ulp; cancellation in small entries amplifies that, hence atol.
-    for a, b in zip(plain, injected):
-        jax.tree.map(
-            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8), a, b
-        )
-    assert float(state.hyperparams["learning_rate"]) == pytest.approx(3e-3)
-
-
-def test_inject_hyperparams_without_static_args_explains_the_fix():
-    with pytest.raises(TypeError, match=r"max_size_triangular.*static_args"):
-        optax.inject_hyperparams(pj.kron)().init(PARAMS)
 
 
 def test_multisteps_accumulates_then_steps():
