@@ -14,6 +14,11 @@ from JAX) are aliased to ``jax.tree.*`` while a test runs, and the oracle
 module's ``lax.while_loop`` casts the initial carry to the body's output dtypes
 (its inverse-root loop starts a float error ratio as the Python bool ``True``,
 which today's ``while_loop`` refuses; ``True`` is 1.0, the value it stood for).
+A third, for its sharded mode (``shard_optimizer_states``) only, gives the oracle
+module's ``pjit`` name the ``with_sharding_constraint`` and ``PartitionSpec``
+that ``jax.experimental.pjit`` no longer exports (now ``jax.lax`` and
+``jax.sharding``); that mode runs on a mesh with ``AxisType.Auto`` axes, the
+only kind JAX had when 0.0.6 was written.
 """
 
 from __future__ import annotations
@@ -70,6 +75,12 @@ SEED_DEFAULTS_OF_NEWER_ARGUMENTS = {"merge_small_dims_block_size": None}
 @pytest.fixture(scope="module")
 def google():
     """optax-shampoo 0.0.6's module, runnable on today's JAX (module docstring)."""
+    yield from patched_optax_shampoo()
+
+
+def patched_optax_shampoo():
+    """Yields optax-shampoo 0.0.6's module with the shims of the module
+    docstring applied, and removes them when resumed."""
     module = oracles.optax_shampoo()
     patch = pytest.MonkeyPatch()
     patch.setattr(jax, "tree_map", jax.tree.map, raising=False)
@@ -86,6 +97,17 @@ def google():
     )
     patched_lax.while_loop = while_loop
     patch.setattr(module, "lax", patched_lax)
+    # Its sharded mode calls jax.experimental.pjit's with_sharding_constraint
+    # and PartitionSpec, which that module no longer exports: the names they
+    # moved to, in a stand-in for the oracle's `pjit` alone.
+    patch.setattr(
+        module,
+        "pjit",
+        types.SimpleNamespace(
+            with_sharding_constraint=lax.with_sharding_constraint,
+            PartitionSpec=P,
+        ),
+    )
     yield module
     patch.undo()
 
@@ -126,20 +148,27 @@ def test_newer_arguments_of_0_0_6_are_keyword_only_with_the_seeds_behaviour(goog
 
 
 def test_current_google_arguments_are_accepted():
-    # reuse_preconditioner and eigh come from the current google-research code.
-    opt = ps.distributed_shampoo(
-        0.1,
-        8,
-        precondtioner_type=ps.PreconditionerType.INPUT,
-        reuse_preconditioner=False,
-        eigh=False,
-        generate_training_metrics=False,
-    )
-    params = {"w": jnp.ones((4, 3))}
-    state = opt.init(params)
-    assert isinstance(state.training_metrics, optax.MaskedNode)
-    with pytest.raises(NotImplementedError, match="reuse_preconditioner=True"):
-        ps.distributed_shampoo(0.1, 8, reuse_preconditioner=True)
+    """reuse_preconditioner and eigh come from the current google-research code.
+    There reuse_preconditioner=True hands each previous root to the root
+    routine, which discards it: the steps are the same, here bit for bit."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)}
+    steps = {}
+    for reuse in (False, True):
+        opt = ps.distributed_shampoo(
+            0.1,
+            8,
+            start_preconditioning_step=1,
+            precondtioner_type=ps.PreconditionerType.INPUT,
+            reuse_preconditioner=reuse,
+            eigh=False,
+            generate_training_metrics=False,
+        )
+        state = opt.init(params)
+        assert isinstance(state.training_metrics, optax.MaskedNode)
+        for _ in range(3):
+            updates, state = opt.update(jax.tree.map(jnp.cos, params), state, params)
+        steps[reuse] = (updates, state)
+    jax.tree.map(np.testing.assert_array_equal, steps[True], steps[False])
 
 
 @pytest.mark.parametrize(
@@ -233,7 +262,9 @@ CASES = [
     ("merge_up_to_4096_clipped_rmsprop",
      {"merge_small_dims_block_size": 4096, "graft_type": 3,
       "clip_by_scaled_gradient_norm": 0.5}, {}),
-    ("no_blocking", {"block_size": 0}, {}),
+    # reuse_preconditioner=True: the current google-research code's flag, with
+    # the same steps as 0.0.6's (its root routine discards the previous root).
+    ("no_blocking", {"block_size": 0}, {"reuse_preconditioner": True}),
     # Roots refreshed every 3rd step from statistics updated every 2nd: the
     # first root is used once the statistics have full rank (start 9), since a
     # float32 Newton root of a rank-2 7x7 statistic plus 1e-6 ridge
@@ -349,6 +380,120 @@ def test_seed_layout_view_equals_0_0_6_state(google):
             )
 
 
+# ------------------------------------------------------ every argument of 0.0.6
+
+WALK_PARAMS = {"w": (4, 3), "v": (3,)}
+# A 7-vector: LOBPCG deflates statistics with more than 5k rows, and with
+# statistics of one size only (see test_lobpcg_deflation_matches_optax_shampoo_0_0_6).
+LOBPCG_PARAMS = {"u": (7,)}
+WALK_BASE = {
+    "learning_rate": 0.1,
+    "block_size": 8,
+    "merge_small_dims_block_size": 8,
+    "start_preconditioning_step": 1,
+}
+# Every argument of 0.0.6 set to a value other than its default, in groups of
+# arguments that do not mask each other (one compilation per group and
+# optimizer). "mesh": under an 8-device mesh; "pmap": in pmap over one device;
+# "sharded": 0.0.6's shard_optimizer_states mode.
+WALK_GROUPS = [
+    ("momentum_grafting_weight_decay", "jit", WALK_PARAMS,
+     {"learning_rate": 0.05, "beta1": 0.5, "beta2": 0.9, "graft_type": 2,
+      "diagonal_epsilon": 1e-2, "weight_decay": 0.01,
+      "decoupled_weight_decay": True, "nesterov": False,
+      "moving_average_for_momentum": True, "exponent_override": 2}),
+    # start 0 roots a rank-1 statistic: a ridge of 1e-3 keeps its condition at
+    # 1e3 (with 1e-6 two float32 Newton roots differ by 1.0e-5, measured).
+    ("blocking_roots_precision", "jit", WALK_PARAMS,
+     {"block_size": 2, "best_effort_shape_interpretation": False,
+      "matrix_epsilon": 1e-3, "start_preconditioning_step": 0,
+      "relative_matrix_epsilon": False, "precondtioner_type": 2,
+      "precision": lax.Precision.DEFAULT,
+      "tensordot_precision": lax.Precision.DEFAULT, "num_devices_for_pjit": 8,
+      "decoupled_learning_rate": False, "skip_preconditioning_rank_lt": 2}),
+    ("every_few_steps_clipped_rmsprop_skip_large", "jit", WALK_PARAMS,
+     {"preconditioning_compute_steps": 2, "statistics_compute_steps": 2,
+      "graft_type": 3, "clip_by_scaled_gradient_norm": 0.1,
+      "skip_preconditioning_dim_size_gt": 3}),
+    ("memory_mode_merging_no_metrics", "jit", WALK_PARAMS,
+     {"best_effort_memory_usage_reduction": True,
+      "merge_small_dims_block_size": 2, "generate_training_metrics": False}),
+    ("every_root_rejected", "jit", WALK_PARAMS,
+     {"inverse_failure_threshold": 1e-12}),
+    ("lobpcg", "jit", LOBPCG_PARAMS,
+     {"lobpcg_topk_precondition": 1, "lobpcg_max_iter": 3}),
+    # (memory mode in pmap, int16 statistics: test_google_single_step_cases_*
+    # and test_shampoo_seed_state; here the rank-1 statistic of step 0 rounded
+    # to int16 gives roots 1.9e-5 apart after 2 steps, measured)
+    ("pmap", "pmap", WALK_PARAMS, {"batch_axis_name": "batch"}),
+    ("specs_without_sharded_states", "mesh", WALK_PARAMS,
+     {"statistics_partition_spec": P("data", None, None),
+      "preconditioner_partition_spec": P("data", None, None)}),
+    ("sharded_states", "sharded", WALK_PARAMS,
+     {"shard_optimizer_states": True, "num_devices_for_pjit": 8,
+      "statistics_partition_spec": P("data", None, None),
+      "preconditioner_partition_spec": P("data", None, None)}),
+]  # fmt: skip
+
+
+def _two_steps(module, kwargs, shapes, runner):
+    """Displacements after each of 2 steps (gradients cos((t+1)·W))."""
+    params = {
+        k: jnp.linspace(-1.0, 1.0, int(np.prod(s))).reshape(s)
+        for k, s in shapes.items()
+    }
+    grads = [jax.tree.map(lambda x, t=t: jnp.cos((t + 1) * x), params) for t in (0, 1)]
+    opt = module.distributed_shampoo(**kwargs)
+    if runner == "pmap":
+        add = lambda x: x[None]  # noqa: E731
+        step = jax.pmap(opt.update, axis_name="batch", devices=jax.devices()[:1])
+        init = jax.pmap(opt.init, devices=jax.devices()[:1])
+        state, start, out = init(jax.tree.map(add, params)), params, []
+        for g in grads:
+            updates, state = step(*map(lambda t: jax.tree.map(add, t), (g,)),
+                                  state, jax.tree.map(add, params))  # fmt: skip
+            params = optax.apply_updates(params, jax.tree.map(lambda x: x[0], updates))
+            out.append(jax.tree.map(jnp.subtract, params, start))
+        return out
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        if runner == "sharded":
+            state = jax.jit(opt.init(None).init_fn)(params)
+        else:
+            state = opt.init(params)
+        update, start, out = jax.jit(opt.update), params, []
+        for g in grads:
+            updates, state = update(g, state, params)
+            params = optax.apply_updates(params, updates)
+            out.append(jax.tree.map(jnp.subtract, params, start))
+    return out
+
+
+def test_every_argument_of_0_0_6_runs_as_in_0_0_6(google):
+    """Walks 0.0.6's signature: every argument is set, in some group, to a value
+    other than its default, is accepted, and the group's two steps equal
+    0.0.6's given the same arguments. An argument 0.0.6 has and no group sets
+    fails here (so no case can be skipped for a missing argument)."""
+    theirs = inspect.signature(google.distributed_shampoo).parameters
+    covered = {
+        name
+        for _, _, _, arguments in WALK_GROUPS
+        for name, value in arguments.items()
+        if value is not theirs[name].default and value != theirs[name].default
+    }
+    assert covered == set(theirs), set(theirs) - covered
+    worst, moved = {}, {}
+    for name, runner, shapes, arguments in WALK_GROUPS:
+        kwargs = {**WALK_BASE, **arguments}
+        want = _two_steps(google, kwargs, shapes, runner)
+        got = _two_steps(ps, kwargs, shapes, runner)
+        worst[name] = _relative_difference(got, want)
+        moved[name] = max(float(jnp.linalg.norm(x)) for x in jax.tree.leaves(want[-1]))
+    print("largest relative differences:", worst)
+    assert max(worst.values()) <= 1e-5, worst
+    assert min(moved.values()) > 0, moved
+
+
 # ------------------------------------------------------------------ optax contract
 
 
@@ -405,6 +550,7 @@ def test_explicit_axis_mesh_equals_unsharded():
                 preconditioner_partition_spec=P("data", None, None),
                 shard_optimizer_states=True,
                 sharded_init_fns=False,
+                precondition_with_previous_roots=False,  # as unsharded
             ),
             shapes,
             steps=4,

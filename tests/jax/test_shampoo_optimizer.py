@@ -264,6 +264,14 @@ SHARDED_MODES = {
         shard_optimizer_states=True,
         preconditioner_partition_spec=P("data", None, None),
         sharded_init_fns=False,  # init returns the state, not the seed's triple
+        precondition_with_previous_roots=False,  # the default follows the seed
+    ),
+    # The default of the sharded mode, as Google's: each step preconditions
+    # with the roots of the step before; unsharded with the same option agrees.
+    "stored-previous-roots": dict(
+        shard_optimizer_states=True,
+        preconditioner_partition_spec=P("data", None, None),
+        sharded_init_fns=False,
     ),
     "computed-only": dict(preconditioner_partition_spec=P("data", None, None)),
 }
@@ -281,9 +289,14 @@ def test_sharded_equals_unsharded_on_8_devices(mode):
     kwargs = dict(start_preconditioning_step=1, **SHARDED_MODES[mode])
     with float64():
         params = jax.tree.map(lambda x: x.astype(jnp.float64), BLOCKED_PARAMS)
-        want, _ = _run(
-            pj.distributed_shampoo(0.1, BLOCK, start_preconditioning_step=1), params, 4
+        previous = mode == "stored-previous-roots"
+        unsharded = pj.distributed_shampoo(
+            0.1,
+            BLOCK,
+            start_preconditioning_step=1,
+            precondition_with_previous_roots=previous,
         )
+        want, _ = _run(unsharded, params, 4)
         with jax.set_mesh(_mesh()):
             optimizer = pj.distributed_shampoo(0.1, BLOCK, **kwargs)
             got, state = _run(optimizer, params, 4)
@@ -319,6 +332,7 @@ def test_sharded_memory_mode_trains_like_unsharded_memory_mode():
             shard_optimizer_states=True,
             sharded_init_fns=False,
             statistics_partition_spec=P("data", None, None),
+            precondition_with_previous_roots=False,  # as unsharded
             **kwargs,
         )
         got, state = _run(optimizer, PARAMS, 6)

@@ -64,12 +64,14 @@ __all__ = [
     "InitFnState",
     "ParameterStats",
     "PreconditionerType",
+    "SeedShampooState",
     "ShampooState",
     "TrainingMetrics",
     "distributed_shampoo",
     "distributed_shampoo_partition_specs",
     "distributed_shampoo_state_shapes",
     "seed_parameter_stats",
+    "shampoo_state_from_seed",
 ]
 
 
@@ -165,6 +167,7 @@ SHAMPOO_STATIC_ARGS = (
     "separate_grafting_momentum",
     "quantize_statistics",
     "sharded_init_fns",
+    "precondition_with_previous_roots",
 )
 _PRECISIONS = {
     "default": lax.Precision.DEFAULT,
@@ -216,6 +219,16 @@ class _Config(NamedTuple):
     separate_grafting_momentum: bool
     quantize_statistics: bool | None
     sharded_init_fns: bool
+    precondition_with_previous_roots: bool | None
+
+    @property
+    def uses_previous_roots(self) -> bool:
+        """Whether a step preconditions with the roots of the step before (the
+        new ones are stored for the next step): asked for, or (by default) in
+        the sharded mode, as Google's code does there."""
+        if self.precondition_with_previous_roots is not None:
+            return self.precondition_with_previous_roots
+        return self.shard_optimizer_states
 
     @property
     def statistics_quantized(self) -> bool:
@@ -288,15 +301,6 @@ def _check_stack_spec(name: str, value) -> None:
         )
 
 
-def _check_reuse_preconditioner(name: str, value) -> None:
-    check_bool(name, value)
-    if value:
-        raise NotImplementedError(
-            f"Invalid {name}={value!r}: must be False (warm-starting the inverse "
-            "root from the previous preconditioner is not implemented)"
-        )
-
-
 _positive = functools.partial(check_real, low=0.0, low_inclusive=False)
 # Every argument of distributed_shampoo and its check, in signature order. Numbers
 # may be arrays (traced under optax.inject_hyperparams); int arguments fix shapes
@@ -341,11 +345,12 @@ _ARGUMENT_CHECKS = {
     "decoupled_learning_rate": check_bool,
     "decoupled_weight_decay": check_bool,
     "generate_training_metrics": check_bool,
-    "reuse_preconditioner": _check_reuse_preconditioner,
+    "reuse_preconditioner": check_bool,
     "eigh": check_bool,
     "separate_grafting_momentum": check_bool,
     "quantize_statistics": _optional(check_bool),
     "sharded_init_fns": check_bool,
+    "precondition_with_previous_roots": _optional(check_bool),
 }
 
 
@@ -371,6 +376,10 @@ def _validated(**args) -> _Config:
         args["statistics_partition_spec"] = (
             args["statistics_partition_spec"] or args["preconditioner_partition_spec"]
         )
+    else:
+        # Only the sharded mode stores the stacks split (Google's code ignores
+        # the spec otherwise too).
+        args["statistics_partition_spec"] = None
     if args["batch_axis_name"] is not None and args["shard_optimizer_states"]:
         raise ValueError(
             f"Invalid batch_axis_name={args['batch_axis_name']!r} with "
@@ -881,12 +890,15 @@ def _new_statistics(grads, state, layout: _Layout, config: _Config):
 def _new_preconditioners(statistics, state, layout: _Layout, config: _Config):
     """Inverse roots of every stack; a failed root keeps the previous one."""
     roots, errors = [], []
-    for (_, p), stats, old in zip(
-        layout.keys, statistics, state.preconditioners, strict=True
+    for (_, p), rows, stats, old in zip(
+        layout.keys, layout.rows, statistics, state.preconditioners, strict=True
     ):
         new, error = _stack_roots(_load(stats), p, config)
         usable = jnp.isfinite(error) & (error < config.inverse_failure_threshold)
         usable = usable & jnp.all(jnp.isfinite(new), axis=(1, 2))
+        # Padding rows (a stack split over devices) keep their identity, so the
+        # state is a function of the real rows alone (shampoo_state_from_seed).
+        usable = usable & (jnp.arange(new.shape[0]) < rows)
         new = jnp.where(usable[:, None, None], new, _load(old))
         roots.append(_constrain(_store(new, old), config.statistics_partition_spec))
         errors.append(error)
@@ -990,7 +1002,10 @@ def _update(updates, state: ShampooState, params, config: _Config):
                     ]
                 )
                 new_errors.append(jnp.where(refresh, mine, old))
-        roots = [_replicate(_load(p), config) for p in preconditioners]
+        # Google's sharded mode preconditions with the stored roots and only
+        # then computes the new ones (kept for the next step).
+        used = state.preconditioners if config.uses_previous_roots else preconditioners
+        roots = [_replicate(_load(p), config) for p in used]
 
     lr = config.learning_rate
     lr = lr(step) if callable(lr) else lr
@@ -1120,6 +1135,7 @@ def distributed_shampoo(
     separate_grafting_momentum: bool = False,
     quantize_statistics: bool | None = None,
     sharded_init_fns: bool = True,
+    precondition_with_previous_roots: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Distributed Shampoo (Anil et al. 2020), with Google's arguments and defaults.
 
@@ -1133,7 +1149,9 @@ def distributed_shampoo(
         ΔW = −lr(t)·(w·u + β1·m if nesterov else m)
 
     with u_g the grafting method's step, p = 2·rank (``exponent_override``) and
-    w = 1−β1 with ``moving_average_for_momentum`` else 1. S starts at ε·I and P
+    w = 1−β1 with ``moving_average_for_momentum`` else 1 (with
+    ``shard_optimizer_states``, P(G) uses the P of step t − 1, as Google's sharded
+    mode; see ``precondition_with_previous_roots``). S starts at ε·I and P
     at I. A root whose error max|P^p·(S+ε'I) − I| is NaN or >=
     ``inverse_failure_threshold`` is not used: the previous P stays, and the error
     shows in ``state.training_metrics.inverse_pth_root_errors``; a statistic
@@ -1178,7 +1196,8 @@ def distributed_shampoo(
             axis and all-gathered. Gradients must already be averaged over it
             (``lax.pmean``), as with the optimizer this replaces.
         statistics_partition_spec: sharding of the stored (K, n, n) stacks of
-            statistics and roots (with ``shard_optimizer_states``).
+            statistics and roots with ``shard_optimizer_states`` (ignored
+            without it, as in Google's code).
         preconditioner_partition_spec: sharding of the stacks while their roots
             are computed: split the leading axis so each device computes its
             share, e.g. ``PartitionSpec('data', None, None)``. Needs an active mesh
@@ -1222,7 +1241,10 @@ def distributed_shampoo(
             λ·W before it.
         generate_training_metrics: keep ``training_metrics`` (else it is an
             ``optax.MaskedNode``).
-        reuse_preconditioner: must be False (warm starts are not implemented).
+        reuse_preconditioner: accepted for Google's current code, where it hands
+            each previous root to the inverse-root routine as a warm start that
+            the routine then discards; results are the same either way, and
+            precond computes every root from the statistic alone.
         eigh: compute roots by an eigendecomposition instead of coupled Newton.
         separate_grafting_momentum: with SQRT_N grafting, keep a grafting
             momentum of its own, as Google's 0.0.6 does (the seed shares one).
@@ -1232,6 +1254,11 @@ def distributed_shampoo(
         sharded_init_fns: with ``shard_optimizer_states``, ``init`` returns the
             seed's :class:`InitFnState` triple (ignoring its argument); False:
             ``init(params)`` returns the state itself.
+        precondition_with_previous_roots: precondition step t with the roots
+            computed at step t − 1 (and store step t's for the next step), as
+            Google's sharded mode does; None (default): only with
+            ``shard_optimizer_states``, as Google's code. False with
+            ``shard_optimizer_states`` gives the same steps as unsharded.
 
     Returns:
         An optax ``GradientTransformationExtraArgs``; ``update(grads, state,
@@ -1376,19 +1403,66 @@ class ParameterStats(NamedTuple):
     training_metrics: Any  # TrainingMetrics of this parameter's statistics
 
 
+class SeedShampooState(NamedTuple):
+    """The seed's state layout: what :func:`shampoo_state_from_seed` reads.
+
+    ``stats`` is a tree like the params of :class:`ParameterStats` (the seed's
+    or 0.0.6's own objects, members possibly their ``QuantizedValue``), or the
+    sharded mode's ``ShardedShampooStats(global_stats, local_stats)``.
+    """
+
+    count: Any  # [] int: steps taken
+    stats: Any
+
+
+def _bound_config(args, kwargs) -> _Config:
+    bound = inspect.signature(distributed_shampoo).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _validated(**bound.arguments)
+
+
+def _seed_order(plan: _ParameterPlan, slots, config: _Config):
+    """(stack, row, position in the parameter's errors) of each statistic of a
+    parameter, in the seed's order: blocks row-major over the parameter's whole
+    block grid, and within a block its preconditioned axes in order."""
+    segments = [_axis_segments(d, config.block_size) for d in plan.merged_shape]
+    starts = [
+        list(itertools.accumulate((n for _, n, _ in axis), initial=0))
+        for axis in segments
+    ]
+    grid = tuple(axis_starts[-1] for axis_starts in starts)
+    combos = list(itertools.product(*(range(len(a)) for a in segments)))
+    entries = {}  # (global block index, axis) -> (stack, row, position)
+    position = 0
+    for (g, k), (stack, first, rows) in zip(plan.entries, slots, strict=True):
+        group = plan.groups[g]
+        for local in range(rows):
+            coords = np.unravel_index(local, group.grid)
+            block = int(
+                np.ravel_multi_index(
+                    tuple(
+                        starts[a][combos[g][a]] + int(c) for a, c in enumerate(coords)
+                    ),
+                    grid,
+                )
+            )
+            entries[block, k] = (stack, first + local, position + local)
+        position += rows
+    return [entries[key] for key in sorted(entries)]
+
+
 def seed_parameter_stats(state: ShampooState, params, *args, **kwargs):
     """``state`` seen as the seed's ``ShampooState.stats``: a tree like ``params``
     of :class:`ParameterStats`, for code that reads the seed's per-parameter
     fields (``stats[name].statistics[i]``, ``.training_metrics`` …). ``args`` and
     ``kwargs`` are the ``distributed_shampoo`` arguments the state was made with.
+    :func:`shampoo_state_from_seed` is the inverse.
 
     Example:
         >>> stats = seed_parameter_stats(state, params, 0.1, block_size=128)
         >>> errors = stats["w"].training_metrics.inverse_pth_root_errors
     """
-    bound = inspect.signature(distributed_shampoo).bind(*args, **kwargs)
-    bound.apply_defaults()
-    config = _validated(**bound.arguments)
+    config = _bound_config(args, kwargs)
     leaves, treedef = jax.tree.flatten(params)
     layout = _layout([p.shape for p in leaves], config)
     statistics = [_load(s) for s in state.statistics]
@@ -1404,38 +1478,8 @@ def seed_parameter_stats(state: ShampooState, params, *args, **kwargs):
     )
     out = []
     for i, p in enumerate(leaves):
-        plan, slots = layout.plans[i], layout.slots[i]
-        # (global block index, axis) -> (statistic, root, position in errors)
-        entries = {}
-        if plan is not None:
-            segments = [_axis_segments(d, config.block_size) for d in plan.merged_shape]
-            starts = [
-                list(itertools.accumulate((n for _, n, _ in axis), initial=0))
-                for axis in segments
-            ]
-            grid = tuple(axis_starts[-1] for axis_starts in starts)
-            combos = list(itertools.product(*(range(len(a)) for a in segments)))
-            position = 0
-            for (g, k), (stack, first, rows) in zip(plan.entries, slots, strict=True):
-                group = plan.groups[g]
-                for local in range(rows):
-                    coords = np.unravel_index(local, group.grid)
-                    block = int(
-                        np.ravel_multi_index(
-                            tuple(
-                                starts[a][combos[g][a]] + int(c)
-                                for a, c in enumerate(coords)
-                            ),
-                            grid,
-                        )
-                    )
-                    entries[block, k] = (
-                        statistics[stack][first + local],
-                        roots[stack][first + local],
-                        position + local,
-                    )
-                position += rows
-        order = [entries[key] for key in sorted(entries)]
+        plan = layout.plans[i]
+        order = [] if plan is None else _seed_order(plan, layout.slots[i], config)
         metrics = None
         if errors[i] is not None:
             picked = [where for _, _, where in order] or [0]
@@ -1443,8 +1487,8 @@ def seed_parameter_stats(state: ShampooState, params, *args, **kwargs):
         out.append(
             ParameterStats(
                 diagonal_statistics=diagonals[i],
-                statistics=[s for s, _, _ in order],
-                preconditioners=[r for _, r, _ in order],
+                statistics=[statistics[stack][row] for stack, row, _ in order],
+                preconditioners=[roots[stack][row] for stack, row, _ in order],
                 diagonal_momentum=None
                 if diagonal_momenta[i] is None
                 else _load_momentum(diagonal_momenta[i], p.shape),
@@ -1453,3 +1497,194 @@ def seed_parameter_stats(state: ShampooState, params, *args, **kwargs):
             )
         )
     return jax.tree.unflatten(treedef, out)
+
+
+def _seed_array(x):
+    """A member of the seed's state as a float32 array, or None when absent
+    (``None``, ``[]``, ``optax.MaskedNode``). A ``QuantizedValue`` (fields
+    ``quantized``, ``diagonal``, ``bucket_size``, ``extract_diagonal``) is
+    dequantized: quantized·bucket_size per column, plus diag(diagonal)."""
+    if x is None or isinstance(x, optax.MaskedNode):
+        return None
+    if isinstance(x, list | tuple) and not x:
+        return None
+    if hasattr(x, "quantized") and hasattr(x, "bucket_size"):
+        values = x.quantized
+        if isinstance(values, list | tuple) and not values:
+            return None
+        values = jnp.asarray(values)
+        if jnp.issubdtype(values.dtype, jnp.floating):
+            return values.astype(jnp.float32)
+        out = values.astype(jnp.float32) * jnp.asarray(x.bucket_size, jnp.float32)
+        if getattr(x, "extract_diagonal", False):
+            out = out + jnp.diag(jnp.asarray(x.diagonal, jnp.float32))
+        return out
+    return jnp.asarray(x, jnp.float32)
+
+
+def _seed_entries(stats, treedef) -> list:
+    """Per parameter, the seed's ``ParameterStats`` (or an equivalent built
+    from the sharded mode's global stack and local stats)."""
+    if hasattr(stats, "global_stats") and hasattr(stats, "local_stats"):
+        stacked = stats.global_stats
+        out = []
+        for local in treedef.flatten_up_to(stats.local_stats):
+            start = int(local.index_start)
+            sizes = [int(n) for n in local.sizes]
+            out.append(
+                ParameterStats(
+                    diagonal_statistics=local.diagonal_statistics,
+                    statistics=[
+                        stacked.statistics[start + j][:n, :n]
+                        for j, n in enumerate(sizes)
+                    ],
+                    preconditioners=[
+                        stacked.preconditioners[start + j][:n, :n]
+                        for j, n in enumerate(sizes)
+                    ],
+                    diagonal_momentum=local.diagonal_momentum,
+                    momentum=local.momentum,
+                    training_metrics=local.training_metrics,
+                )
+            )
+        return out
+    return treedef.flatten_up_to(stats)
+
+
+def shampoo_state_from_seed(seed_state, params, *args, **kwargs) -> ShampooState:
+    """The :class:`ShampooState` holding what a state in the seed's layout holds:
+    load a checkpoint written by Google's ``distributed_shampoo`` (the seed
+    revision or optax-shampoo 0.0.6) into precond. The inverse of
+    :func:`seed_parameter_stats`.
+
+    ``seed_state`` has ``count`` and ``stats`` (the seed's ``ShampooState``, or
+    :class:`SeedShampooState`): ``stats`` is a tree like ``params`` of
+    ``ParameterStats(diagonal_statistics, statistics, preconditioners,
+    diagonal_momentum, momentum, training_metrics)``, or with
+    ``shard_optimizer_states`` the seed's ``ShardedShampooStats(global_stats,
+    local_stats)``. Members may be the seed's ``QuantizedValue`` (memory mode):
+    they are dequantized (values·bucket sizes per column, plus the diagonal) and
+    stored as ``distributed_shampoo(*args, **kwargs)`` stores them (int8 momenta
+    and int16 statistics requantize to the same integers). ``args`` and
+    ``kwargs`` are the arguments precond's optimizer will run with (those the
+    checkpoint was written with, plus 0.0.6's values where they differ, e.g.
+    ``merge_small_dims_block_size=4096``): they fix which statistics each
+    parameter has, and a checkpoint that does not fit them is refused naming
+    the parameter. Only ``inverse_pth_root_errors`` of the training metrics is
+    kept; with ``generate_training_metrics`` and none in the checkpoint it
+    starts at 0.
+
+    Example:
+        >>> seed_state = orbax_checkpointer.restore(path, item=google_state)
+        >>> state = shampoo_state_from_seed(seed_state, params, 0.1, 128)
+        >>> opt = distributed_shampoo(0.1, 128)
+        >>> updates, state = opt.update(grads, state, params)
+    """
+    config = _bound_config(args, kwargs)
+    count, stats = seed_state.count, seed_state.stats
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [p for _, p in paths_and_leaves]
+    names = [jax.tree_util.keystr(path) or "params" for path, _ in paths_and_leaves]
+    layout = _layout([p.shape for p in leaves], config)
+    template = _init(params, config, constrain=False)
+    entries = _seed_entries(stats, treedef)
+    flat = treedef.flatten_up_to
+
+    def refuse(i, what):
+        raise ValueError(
+            f"Invalid seed_state: {names[i]} (shape {tuple(leaves[i].shape)}) "
+            f"{what}; it does not fit these distributed_shampoo arguments"
+        )
+
+    def like_param(i, x, field):
+        value = _seed_array(x)
+        if value is None:
+            refuse(i, f"has no {field}")
+        if value.shape != tuple(leaves[i].shape):
+            refuse(i, f"has a {field} of shape {value.shape}")
+        return value
+
+    statistics = [_load(s) for s in template.statistics]
+    roots = [_load(r) for r in template.preconditioners]
+    placed = [([], [], []) for _ in statistics]  # rows, statistics, roots
+    momenta, diagonal_momenta, diagonals, errors = [], [], [], []
+    old_errors = (
+        flat(template.training_metrics.inverse_pth_root_errors)
+        if config.generate_training_metrics
+        else None
+    )
+    zipped = zip(
+        entries,
+        flat(template.momentum),
+        flat(template.diagonal_momentum),
+        flat(template.diagonal_statistics),
+        strict=True,
+    )
+    for i, (entry, momentum, diagonal_momentum, diagonal) in enumerate(zipped):
+        plan = layout.plans[i]
+        order = [] if plan is None else _seed_order(plan, layout.slots[i], config)
+        given = list(entry.statistics or []), list(entry.preconditioners or [])
+        if any(len(g) != len(order) for g in given):
+            refuse(
+                i,
+                f"has {len(given[0])} statistics and {len(given[1])} "
+                f"preconditioners where {len(order)} are expected",
+            )
+        for (stack, row, _), s, r in zip(order, *given, strict=True):
+            n = statistics[stack].shape[-1]
+            s, r = _seed_array(s), _seed_array(r)
+            if s.shape != (n, n) or r.shape != (n, n):
+                refuse(i, f"has a {s.shape} statistic where ({n}, {n}) is expected")
+            placed[stack][0].append(row)
+            placed[stack][1].append(s)
+            placed[stack][2].append(r)
+        momenta.append(
+            _store_momentum(like_param(i, entry.momentum, "momentum"), momentum)
+        )
+        diagonal_momenta.append(
+            None
+            if diagonal_momentum is None
+            else _store_momentum(
+                like_param(i, entry.diagonal_momentum, "diagonal_momentum"),
+                diagonal_momentum,
+            )
+        )
+        diagonals.append(
+            None
+            if diagonal is None
+            else like_param(i, entry.diagonal_statistics, "diagonal_statistics").astype(
+                diagonal.dtype
+            )
+        )
+        if old_errors is not None:
+            metrics = entry.training_metrics
+            seed_errors = _seed_array(getattr(metrics, "inverse_pth_root_errors", None))
+            out = old_errors[i]
+            if seed_errors is not None and order:
+                where = np.asarray([position for _, _, position in order])
+                out = out.at[where].set(seed_errors.reshape(-1)[: len(order)])
+            errors.append(out)
+
+    def filled(stacks, which, like):
+        out = []
+        for stack, rows, old in zip(stacks, placed, like, strict=True):
+            if rows[0]:
+                values = jnp.stack(rows[which]).astype(stack.dtype)
+                stack = stack.at[np.asarray(rows[0])].set(values)
+            out.append(_store(stack, old))
+        return tuple(out)
+
+    unflatten = functools.partial(jax.tree.unflatten, treedef)
+    return ShampooState(
+        count=jnp.asarray(count, jnp.int32),
+        momentum=unflatten(momenta),
+        diagonal_momentum=unflatten(diagonal_momenta),
+        diagonal_statistics=unflatten(diagonals),
+        statistics=filled(statistics, 1, template.statistics),
+        preconditioners=filled(roots, 2, template.preconditioners),
+        training_metrics=(
+            TrainingMetrics(unflatten(errors))
+            if config.generate_training_metrics
+            else optax.MaskedNode()
+        ),
+    )
