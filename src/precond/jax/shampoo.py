@@ -1265,7 +1265,10 @@ def distributed_shampoo(
         params, **extra_args)`` needs ``params`` only when ``weight_decay`` is
         not 0 and ignores extra keyword arguments. Its state is a
         :class:`ShampooState`; :func:`distributed_shampoo_partition_specs` and
-        :func:`distributed_shampoo_state_shapes` describe it for ``jit``.
+        :func:`distributed_shampoo_state_shapes` describe it for ``jit``;
+        :func:`seed_parameter_stats` shows it in the seed's per-parameter
+        layout and :func:`shampoo_state_from_seed` loads a state (checkpoint)
+        written in that layout by Google's optimizer.
 
     Example:
         >>> import jax.numpy as jnp, optax
