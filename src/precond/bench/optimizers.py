@@ -281,8 +281,23 @@ def _make_muon(
     parameter, the embedding tables and the output head included; Muon's
     documentation prescribes AdamW for those, so the workload's rule decides.
     """
+    import inspect
+
     import jax
+    import optax
     from optax.contrib import MuonDimensionNumbers, muon
+
+    needed = {
+        "adam_learning_rate",
+        "adam_weight_decay",
+        "muon_weight_dimension_numbers",
+    }
+    missing = needed - set(inspect.signature(muon).parameters)
+    if missing:
+        raise RuntimeError(
+            f"the bench's muon needs an optax.contrib.muon that takes "
+            f"{', '.join(sorted(missing))}; optax {optax.__version__} does not"
+        )
 
     def dimension_numbers(params):
         # (in, out) matrices, as the bench's models store them: the default
@@ -350,6 +365,11 @@ def _make_torch_muon(
     documentation of Muon prescribes. Both decay weights as θ ← θ(1 − lr·λ)."""
     import torch
 
+    if not hasattr(torch.optim, "Muon"):
+        raise RuntimeError(
+            f"the bench's muon needs torch.optim.Muon (torch >= 2.9); torch "
+            f"{torch.__version__} does not have it"
+        )
     hidden = {id(p) for p in model.hidden_matrices()}
     matrices = [p for p in model.parameters() if id(p) in hidden]
     rest = [p for p in model.parameters() if id(p) not in hidden]
@@ -427,14 +447,20 @@ LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
         f: {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 1e-2} for f in _BOTH
     },
     "sgd": {f: {"digits-mlp": 0.03, "digits-cnn": 0.03, "char-lm": 0.3} for f in _BOTH},
-    # Muon's rate for the hidden matrices (its AdamW part: MUON_ADAM_LEARNING_RATES).
+    # Muon's rate for the hidden matrices (2026-11-25): the lowest final validation
+    # loss of
+    #   precond bench --frameworks F --optimizers muon --lr-sweep 0.3,1,3,10
+    # from 0.02 (0.006 to 0.2), refined with --lr muon=R --lr-sweep M1,M2 (0.002,
+    # 0.003, 0.01, 0.03, 0.04, 0.09), its AdamW part at the rate below.
     "muon": {
-        f: {"digits-mlp": 0.02, "digits-cnn": 0.02, "char-lm": 0.02} for f in _BOTH
+        "jax": {"digits-mlp": 6e-3, "digits-cnn": 0.01, "char-lm": 0.04},
+        "torch": {"digits-mlp": 6e-3, "digits-cnn": 0.01, "char-lm": 0.06},
     },
 }
 
-# The rate of Muon's AdamW part (embeddings, output head, biases, norms): AdamW's
-# own rate on the workload, the rule Muon's users follow.
+# The rate of Muon's AdamW part (embeddings, output head, convolution kernels,
+# biases, norms): AdamW's own rate on the workload (provisional: being swept with
+# --lr muon.adam_learning_rate=R).
 MUON_ADAM_LEARNING_RATES = LEARNING_RATES["adamw"]
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
