@@ -95,6 +95,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
     from precond.jax._psgd_transform import PSGD_ARGUMENT_CHECKS
     from precond.jax.affine import AFFINE_ARGUMENT_CHECKS
     from precond.jax.lra import LRA_ARGUMENT_CHECKS
+    from precond.jax.pro import PRO_ARGUMENT_CHECKS
 
     psgd = {**ALIAS_ARGUMENT_CHECKS, **PSGD_ARGUMENT_CHECKS}
     entries = [
@@ -102,6 +103,12 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
             "precond.jax.kron",
             pj.kron,
             {**ALIAS_ARGUMENT_CHECKS, **KRON_ARGUMENT_CHECKS},
+            (),
+        ),
+        (
+            "precond.jax.pro",
+            pj.pro,
+            {**ALIAS_ARGUMENT_CHECKS, **PRO_ARGUMENT_CHECKS},
             (),
         ),
         ("precond.jax.xmat", pj.xmat, psgd, ()),

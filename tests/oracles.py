@@ -67,6 +67,36 @@ def distributed_kron() -> types.ModuleType:
     return _import_with_lazy_annotations("distributed_kron.kron")
 
 
+# distributed-kron 2.0.0 has the same distribution name as 1.0.0 (the `parity`
+# extra's), so it cannot share their environment: the README's test command
+# installs it with `pip install --no-deps --target` into this folder.
+DISTRIBUTED_KRON_2_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ".oracles",
+    "distributed-kron-2.0.0",
+)
+
+
+def distributed_kron_pro() -> types.ModuleType:
+    """distributed-kron 2.0.0's ``pro`` module (``pro``, ``scale_by_pro``,
+    ``get_opt_state_partition_specs``), loaded from its file as the module
+    ``distributed_kron_2_pro`` so that it does not replace 1.0.0's package."""
+    name = "distributed_kron_2_pro"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(DISTRIBUTED_KRON_2_DIR, "distributed_kron", "pro.py")
+    if not os.path.exists(path):
+        _missing(
+            "distributed-kron==2.0.0 (pip install --no-deps --target "
+            f"{DISTRIBUTED_KRON_2_DIR} distributed-kron==2.0.0)"
+        )
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def psgd_jax() -> types.SimpleNamespace:
     """psgd-jax 0.1.5: ``xmat``, ``low_rank_approximation``, ``affine`` and
     ``hessian_helper``."""

@@ -4,8 +4,10 @@
 ``get_opt_state_partition_specs``; ``xmat``, ``low_rank_approximation`` (alias
 ``lra``) and ``affine`` (PSGD XMat, LRA and Affine, with their ``scale_by_*``
 cores and ``PSGDState``); ``hessian_helper`` for Newton-mode fitting;
-``distributed_shampoo`` (Google's Distributed Shampoo, with its state helpers and
-the matrix functions ``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``).
+``pro`` / ``scale_by_pro`` (distributed-kron 2.0's generation-2 PSGD recipe)
+and ``pro_opt_state_partition_specs``; ``distributed_shampoo`` (Google's
+Distributed Shampoo, with its state helpers and the matrix functions
+``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``).
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
@@ -36,18 +38,27 @@ from precond.jax.lra import (
     lra,
     scale_by_lra,
 )
+from precond.jax.pro import (
+    PRO_STATIC_ARGS,
+    ProState,
+    pro,
+    pro_opt_state_partition_specs,
+    scale_by_pro,
+)
 from precond.jax.shampoo import (
     SHAMPOO_STATIC_ARGS,
     GraftingType,
     InitFnState,
     ParameterStats,
     PreconditionerType,
+    SeedShampooState,
     ShampooState,
     TrainingMetrics,
     distributed_shampoo,
     distributed_shampoo_partition_specs,
     distributed_shampoo_state_shapes,
     seed_parameter_stats,
+    shampoo_state_from_seed,
 )
 from precond.jax.xmat import scale_by_xmat, xmat
 
@@ -55,6 +66,7 @@ __all__ = [
     "AFFINE_STATIC_ARGS",
     "KRON_STATIC_ARGS",
     "LRA_STATIC_ARGS",
+    "PRO_STATIC_ARGS",
     "SHAMPOO_STATIC_ARGS",
     "GraftingType",
     "InitFnState",
@@ -62,7 +74,9 @@ __all__ = [
     "PSGDState",
     "ParameterStats",
     "PreconditionerType",
+    "ProState",
     "QuantizedArray",
+    "SeedShampooState",
     "ShampooState",
     "TrainingMetrics",
     "affine",
@@ -80,10 +94,14 @@ __all__ = [
     "matrix_inverse_pth_root_eigh",
     "power_iteration",
     "precond_update_prob_schedule",
+    "pro",
+    "pro_opt_state_partition_specs",
     "scale_by_affine",
     "scale_by_kron",
     "scale_by_lra",
+    "scale_by_pro",
     "scale_by_xmat",
     "seed_parameter_stats",
+    "shampoo_state_from_seed",
     "xmat",
 ]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -146,6 +146,36 @@ def norm_lower_bound(S: jax.Array) -> jax.Array:
     y = y / jnp.where(y_norm > 0, y_norm, 1)
     bound = safe_scale * jnp.linalg.norm(y @ conj_transpose(S_hat))
     return jnp.where(scale > 0, bound, 0).astype(real_dtype(S.dtype))
+
+
+def sampled_norm_lower_bound(
+    S: jax.Array,
+    key: jax.Array,
+    draw: Callable | None = None,
+    vectors: int = 32,
+    iterations: int = 2,
+) -> jax.Array:
+    """A lower bound on ‖S‖₂ of a real square S from sampled power iterations
+    (tighter than :func:`norm_lower_bound`, at the cost of a (k, d) draw).
+
+    s = max|S|, Ŝ = S/s, x = the row of Ŝ with the largest norm. Each of k start
+    vectors is x + sign(⟨x, w⟩)·w with w ~ N(0, I) (so it leans toward x); each
+    iteration maps v ↦ Ŝᵀ(Ŝᵀv/‖Ŝᵀv‖) (row vectors: v ↦ (vŜ/‖vŜ‖)Ŝ). Returns
+    s·max_k‖v_k‖, the largest of k Rayleigh-type lower bounds (the bound is
+    exactly what distributed-kron 2.0's generation-2 rule estimates). ``draw(key,
+    shape)`` draws w (default ``jax.random.normal``).
+    """
+    scale = jnp.max(jnp.abs(S)) + TINY
+    S_hat = S / scale
+    row = jnp.argmax(jnp.sum(S_hat * S_hat, axis=1))
+    x = jax.lax.dynamic_index_in_dim(S_hat, row, axis=0, keepdims=False)
+    W = (draw or jax.random.normal)(key, (vectors, S.shape[1]), S.dtype)
+    V = x + jnp.sign(jnp.sum(x * W, axis=1, keepdims=True)) * W
+    for _ in range(iterations):
+        V = V @ S_hat
+        V = V / (jnp.linalg.norm(V, axis=1, keepdims=True) + TINY)
+        V = V @ S_hat
+    return scale * jnp.max(jnp.linalg.norm(V, axis=1))
 
 
 def add_damping_noise(
@@ -304,7 +334,9 @@ def whitening_targets(valid: Sequence[jax.Array], diagonal: Sequence[bool]):
     return targets
 
 
-def procrustes_step(Q: jax.Array) -> jax.Array:
+def procrustes_step(
+    Q: jax.Array, key: jax.Array | None = None, draw: Callable | None = None
+) -> jax.Array:
     """Rotates Q toward the symmetric positive semi-definite polar factor of QᵀQ.
 
     R = Qᵀ − Q (skew), normalised by a lower bound of ‖R‖₂; the rotation
@@ -313,9 +345,14 @@ def procrustes_step(Q: jax.Array) -> jax.Array:
     P = QᵀQ unchanged to second order in a. Complex Q: R = Qᴴ − Q is
     skew-Hermitian, exp(aR) unitary, and the traces are their real parts (a
     maximises Re tr(exp(aR)Q), the pull toward the Hermitian polar factor).
+    With a ``key``, ‖R‖₂ is bounded by :func:`sampled_norm_lower_bound` instead.
     """
     R = conj_transpose(Q) - Q
-    R = R / (norm_lower_bound(R) + TINY)
+    if key is None:
+        bound = norm_lower_bound(R)
+    else:
+        bound = sampled_norm_lower_bound(R, key, draw)
+    R = R / (bound + TINY)
     RQ = R @ Q
     RRQ = R @ RQ
     tr_RQ, tr_RRQ = jnp.real(jnp.trace(RQ)), jnp.real(jnp.trace(RRQ))
@@ -334,6 +371,8 @@ def update_factors_gen2(
     targets: Sequence[jax.Array],
     preconditioner_lr: jax.Array | float,
     style: str,
+    keys: Sequence[jax.Array | None] | None = None,
+    draw: Callable | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """One generation-2 PSGD step ('QUAD' or 'PRO'), fitting P = ⊗ Q_iᵀQ_i with
     no triangular solves.
@@ -351,18 +390,30 @@ def update_factors_gen2(
               Q ← (Q'' + Q''ᵀ)/2 (Q stays symmetric; Hermitian if complex);
               q ← q⊙(1 − (μ/2)(T1 − T2))² for a diagonal factor.
 
-    ``G`` should already carry its damping noise. Returns the new factors and L_i.
+    ``G`` should already carry its damping noise. ``keys`` (one per factor, used
+    by matrix factors; real tensors): lb(T1) is :func:`sampled_norm_lower_bound`
+    instead, and for 'PRO' the key is split between it and the rotation's bound
+    (``draw``: their normal draws, see there).
+    Returns the new factors and L_i.
     """
     Pg = precondition(Qs, G)
+    keys = [None] * len(Qs) if keys is None else keys
     new_Qs, new_L = [], []
-    for axis, (Q, L, T2) in enumerate(zip(Qs, lipschitz, targets, strict=True)):
+    for axis, (Q, L, T2, key) in enumerate(
+        zip(Qs, lipschitz, targets, keys, strict=True)
+    ):
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(Pg, axis, diagonal)
         T2 = T2.astype(T1.dtype)
+        rotation_key = None
         if diagonal:
             ell = jnp.max(T1) + jnp.max(T2)
-        else:
+        elif key is None:
             ell = norm_lower_bound(T1) + norm_lower_bound(T2)
+        else:
+            if style == "PRO":
+                key, rotation_key = jax.random.split(key)
+            ell = sampled_norm_lower_bound(T1, key, draw) + norm_lower_bound(T2)
         L = jnp.maximum(LIPSCHITZ_DECAY * L + (1 - LIPSCHITZ_DECAY) * ell, ell)
         mu = preconditioner_lr / (L + TINY)
         E = T1 - T2
@@ -370,7 +421,7 @@ def update_factors_gen2(
             gain = 1 - (mu if style == "PRO" else 0.5 * mu) * E
             Q = Q * (gain if style == "PRO" else gain * gain)
         elif style == "PRO":
-            Q = procrustes_step(Q - mu * (E @ Q))
+            Q = procrustes_step(Q - mu * (E @ Q), rotation_key, draw)
         else:
             Q = Q - (0.5 * mu) * (E @ Q)
             Q = Q - (0.5 * mu) * (Q @ E)
@@ -380,8 +431,10 @@ def update_factors_gen2(
     return new_Qs, new_L
 
 
-def add_relative_damping_noise(G: jax.Array, V: jax.Array) -> jax.Array:
-    """G̃ = G + (δ + ε·|G|)⊙V with δ = 1e-9 and ε the machine epsilon of G's
+def add_relative_damping_noise(
+    G: jax.Array, V: jax.Array, floor: float | jax.Array = 1e-9
+) -> jax.Array:
+    """G̃ = G + (δ + ε·|G|)⊙V with δ = ``floor`` and ε the machine epsilon of G's
     dtype (of its real part for a complex G): the generation-2 rules'
     elementwise damping (V zero on padding)."""
-    return G + (1e-9 + jnp.finfo(G.dtype).eps * jnp.abs(G)) * V
+    return G + (floor + jnp.finfo(G.dtype).eps * jnp.abs(G)) * V

@@ -1,0 +1,735 @@
+"""PSGD 'pro': distributed-kron 2.0's generation-2 PSGD recipe as an optax optimizer.
+
+Per parameter (after its leading layer axis when it is a scanned layer), the
+momentum m̂ is read as a vector (a 0-D or 1-D parameter, or one whose dims are
+all 1 but one) or as a matrix (dims merged into the two most balanced groups) and
+preconditioned by P = Q_lᵀQ_l ⊗ Q_rᵀQ_r, a Kronecker product of two factors:
+
+* a side of at most ``max_size_dense`` is *dense* and split into blocks of
+  ``block_size``: each block has its own dense factors, a larger side keeps one
+  diagonal factor (a vector) along its whole length;
+* a vector parameter has one diagonal factor.
+
+Each step fits every block's factors to the noisy momentum G̃ = m̂ + (δ + ε|m̂|)⊙V
+(δ = ``noise_scale``, V ~ N(0, I)) with the generation-2 rule
+(:func:`precond.jax._kron_math.update_factors_gen2`: 'PRO' or 'QUAD', step size
+``preconditioner_lr`` over a smoothed Lipschitz estimate, no triangular solves),
+rebalances the two factors' norms every 100 steps, and returns
+U = clip(P·m̂) with each tensor's RMS clipped to 1.1, divided by 5 when
+``lr_style='adam'`` so that Adam's learning rates carry over.
+
+Random draws come from fixed keys folded with the step count: every device and
+every resumed run draws the same. With ``draws='distributed_kron'`` (the
+default) they are those of distributed-kron 2.0.0, draw for draw, which is what
+its trajectory-parity tests check.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec
+
+from precond._common.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+    is_concrete_number,
+)
+from precond.jax import _kron_math as km
+from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
+from precond.jax._guards import all_finite, check_parameter_dtypes, gradients_are_usable
+from precond.jax._kron_sharding import is_box
+
+# Each key stream's seed (distributed-kron 2.0.0's): blocks of matrices with two
+# dense sides share one stream; every other parameter has its own.
+_STREAM_SEEDS = {"dense": 42, "diagonal": 43, "columns": 44, "rows": 45, "vector": 46}
+BALANCE_EVERY = 100  # steps between rebalancing a block's two factors
+CLIP_RMS = 1.1  # each tensor's update is clipped to this RMS
+ADAM_STYLE_DIVISOR = 5.0  # lr_style='adam': U/5 has the scale of Adam's update
+DRAWS = ("distributed_kron", "compact")
+
+
+class ProState(NamedTuple):
+    """State of :func:`scale_by_pro`.
+
+    ``factors[s]`` holds stack s's factors, one array per side: (units, d, d) for
+    a dense side, (units, d) for a diagonal one (``lipschitz[s]``: (units,) each,
+    float32). Stacks group blocks of one shape (see ``_plan``).
+    """
+
+    count: jax.Array  # [] int32: steps taken
+    mu: Any  # momentum like the params, in ``dtype``; None when b1 == 0
+    factors: tuple
+    lipschitz: tuple
+
+
+# ------------------------------------------------------------------ layout
+
+
+def merged_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a parameter's preconditioner sees: () or (n,) for vectors (and
+    for shapes whose dims are 1 but one), a 2-D shape as it is, and a higher
+    one split into two groups of adjacent dims whose sizes have the smallest
+    ratio (the first such split)."""
+    if len(shape) < 2:
+        return tuple(shape)
+    if math.prod(shape) == max(shape):
+        return (max(shape),)
+    if len(shape) == 2:
+        return tuple(shape)
+    ratios = [
+        max(math.prod(shape[:s]), math.prod(shape[s:]))
+        / min(math.prod(shape[:s]), math.prod(shape[s:]))
+        for s in range(1, len(shape))
+    ]
+    split = 1 + int(np.argmin(ratios))
+    return (math.prod(shape[:split]), math.prod(shape[split:]))
+
+
+class _Region(NamedTuple):
+    """Equal blocks cut from one parameter: ``counts`` blocks of ``shape`` per
+    side, starting at block index ``first`` and element ``offset`` of each side."""
+
+    leaf: int
+    counts: tuple[int, ...]
+    shape: tuple[int, ...]
+    first: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+class _Stack(NamedTuple):
+    """Blocks of one shape and side kinds, fitted by one vmapped call."""
+
+    stream: str  # key stream (``_STREAM_SEEDS``)
+    diagonal: tuple[bool, ...]  # per side
+    shape: tuple[int, ...]  # block shape
+    draw_shape: tuple[int, ...]  # shape of distributed-kron's padded block
+    regions: tuple[_Region, ...]
+    key_index: np.ndarray  # per unit (padding included): index in its stream
+    padding: int  # units added so the stack splits evenly over the pipeline axis
+
+
+class _Plan(NamedTuple):
+    batch: tuple[int, ...]  # per leaf: its layer count (1 when not scanned)
+    merged: tuple[tuple[int, ...] | None, ...]  # None: a 0-size parameter
+    stacks: tuple[_Stack, ...]
+    stream_sizes: dict  # stream name (per leaf but 'dense') -> number of keys
+
+
+def _segments(d: int, block: int | None) -> list[tuple[int, int, int, int]]:
+    """(count, size, first block, offset) of the equal pieces of a side of d:
+    full blocks then the remainder, or the whole side when not blocked."""
+    if block is None or d <= block:
+        return [(1, d, 0, 0)]
+    full, rest = divmod(d, block)
+    pieces = [(full, block, 0, 0)]
+    if rest:
+        pieces.append((1, rest, full, full * block))
+    return pieces
+
+
+def _plan(
+    shapes: list[tuple[int, ...]],
+    scanned: list[bool],
+    max_size_dense: int,
+    block_size: int,
+    pipeline_size: int,
+) -> _Plan:
+    batch, merged_shapes = [], []
+    groups: dict[tuple, list] = {}  # (stream instance, diagonal, shape) -> regions
+    stream_sizes: dict = {}
+    dense_units = 0
+    for leaf, (shape, is_scanned) in enumerate(zip(shapes, scanned, strict=True)):
+        B = shape[0] if is_scanned else 1
+        inner = tuple(shape[1:]) if is_scanned else tuple(shape)
+        merged = merged_shape(inner)
+        batch.append(B)
+        if math.prod(shape) == 0:
+            merged_shapes.append(None)
+            continue
+        if len(merged) <= 1:
+            merged = (math.prod(inner),)
+            merged_shapes.append(merged)
+            stream, diagonal, blocked = ("vector", leaf), (True,), (None,)
+        else:
+            merged_shapes.append(merged)
+            diagonal = tuple(d > max_size_dense for d in merged)
+            blocked = tuple(None if diag else block_size for diag in diagonal)
+            name = {
+                (False, False): "dense",
+                (True, True): "diagonal",
+                (True, False): "columns",
+                (False, True): "rows",
+            }[diagonal]
+            stream = "dense" if name == "dense" else (name, leaf)
+        per_side = [_segments(d, b) for d, b in zip(merged, blocked, strict=True)]
+        grid = [sum(count for count, *_ in side) for side in per_side]
+        units = B * math.prod(grid)
+        if stream == "dense":
+            base, dense_units = dense_units, dense_units + units
+        else:
+            base = 0
+            stream_sizes[stream] = units
+        draw_shape = tuple(
+            d if b is None else b for d, b in zip(merged, blocked, strict=False)
+        )
+        for combo in np.ndindex(*(len(side) for side in per_side)):
+            pieces = [side[c] for side, c in zip(per_side, combo, strict=True)]
+            region = _Region(
+                leaf,
+                counts=tuple(p[0] for p in pieces),
+                shape=tuple(p[1] for p in pieces),
+                first=tuple(p[2] for p in pieces),
+                offset=tuple(p[3] for p in pieces),
+            )
+            # Index of each unit (layer b, block (i, j)) in its key stream.
+            index = np.arange(B).reshape((B,) + (1,) * len(pieces)) * math.prod(grid)
+            stride = 1
+            for axis in reversed(range(len(pieces))):
+                blocks = region.first[axis] + np.arange(region.counts[axis])
+                shape_ = [1] * (len(pieces) + 1)
+                shape_[axis + 1] = -1
+                index = index + stride * blocks.reshape(shape_)
+                stride *= grid[axis]
+            key = (stream, diagonal, region.shape, draw_shape)
+            groups.setdefault(key, []).append((region, base + index.reshape(-1)))
+    if dense_units:
+        stream_sizes["dense"] = dense_units
+    stacks = []
+    for (stream, diagonal, shape, draw_shape), members in groups.items():
+        key_index = np.concatenate([index for _, index in members])
+        padding = 0 if stream[0] == "vector" else -len(key_index) % pipeline_size
+        stacks.append(
+            _Stack(
+                stream=stream,
+                diagonal=diagonal,
+                shape=shape,
+                draw_shape=draw_shape,
+                regions=tuple(region for region, _ in members),
+                key_index=np.concatenate([key_index, np.zeros(padding, int)]),
+                padding=padding,
+            )
+        )
+    # distributed-kron pads every stream but the vectors' to the pipeline size.
+    for stream in stream_sizes:
+        if stream == "dense" or stream[0] != "vector":
+            stream_sizes[stream] += -stream_sizes[stream] % pipeline_size
+    return _Plan(tuple(batch), tuple(merged_shapes), tuple(stacks), stream_sizes)
+
+
+def _cut(x: jax.Array, region: _Region) -> jax.Array:
+    """The region's blocks of x (B, *merged), as (units, *block shape)."""
+    B = x.shape[0]
+    index = (
+        slice(None),
+        *tuple(
+            slice(o, o + c * s)
+            for o, c, s in zip(region.offset, region.counts, region.shape, strict=True)
+        ),
+    )
+    part = x[index]
+    if len(region.shape) == 1:
+        return part.reshape(B * region.counts[0], region.shape[0])
+    (cr, cc), (r, c) = region.counts, region.shape
+    return part.reshape(B, cr, r, cc, c).transpose(0, 1, 3, 2, 4).reshape(-1, r, c)
+
+
+def _paste(blocks: jax.Array, region: _Region, B: int) -> jax.Array:
+    """Inverse of :func:`_cut`: (units, *block shape) -> (B, region extent)."""
+    if len(region.shape) == 1:
+        return blocks.reshape(B, region.counts[0] * region.shape[0])
+    (cr, cc), (r, c) = region.counts, region.shape
+    return (
+        blocks.reshape(B, cr, cc, r, c)
+        .transpose(0, 1, 3, 2, 4)
+        .reshape(B, cr * r, cc * c)
+    )
+
+
+def _assemble(pieces: list[tuple[_Region, jax.Array]], merged, B: int) -> jax.Array:
+    """A parameter's (B, *merged) tensor from its regions' pasted blocks."""
+    if len(merged) == 1:
+        return pieces[0][1]
+    rows: dict[int, list] = {}
+    for region, x in sorted(pieces, key=lambda p: p[0].offset):
+        rows.setdefault(region.offset[0], []).append(x)
+    return jnp.concatenate(
+        [jnp.concatenate(row, axis=2) for _, row in sorted(rows.items())], axis=1
+    )
+
+
+# ------------------------------------------------------------------ the fit
+
+
+def _padded_draw(width: int) -> Callable:
+    """``draw(key, shape, dtype)`` for the sampled norm bounds that draws
+    ``width`` columns and keeps the first shape[-1]: distributed-kron's draws on
+    its zero-padded blocks (whose padding the estimate never sees)."""
+
+    def draw(key, shape, dtype):
+        return jax.random.normal(key, (*shape[:-1], width), dtype)[..., : shape[-1]]
+
+    return draw
+
+
+def _fit_unit(factors, lipschitz, G, key, *, style, lr, noise_scale, draw_shape):
+    """One block's generation-2 fit; returns (factors, lipschitz, P·G).
+
+    ``draw_shape``: the zero-padded block distributed-kron draws for (its draws
+    are taken and cut to the block), or None to draw for the block itself.
+    """
+    diagonal = [km.is_diagonal(Q) for Q in factors]
+    dense = [not d for d in diagonal]
+    keys, draw = None, None
+    if G.ndim == 1:
+        Gn = G + noise_scale * jax.random.normal(key, G.shape, G.dtype)
+    else:
+        fit_key, noise_key = jax.random.split(key)
+        V = jax.random.normal(noise_key, draw_shape or G.shape, G.dtype)
+        V = V[tuple(slice(0, d) for d in G.shape)]
+        Gn = km.add_relative_damping_noise(G, V, noise_scale)
+        if all(dense):
+            keys = list(jax.random.split(fit_key))
+        else:
+            keys = [fit_key if d else None for d in dense]
+        if draw_shape is not None and any(dense):
+            draw = _padded_draw(draw_shape[dense.index(True)])
+    targets = km.whitening_targets([jnp.ones(d, bool) for d in G.shape], diagonal)
+    new_factors, new_lipschitz = km.update_factors_gen2(
+        list(factors), list(lipschitz), Gn, targets, lr, style, keys, draw
+    )
+    fitted = all_finite(new_factors, new_lipschitz)
+    new_factors = [
+        jnp.where(fitted, n, o).astype(o.dtype)
+        for n, o in zip(new_factors, factors, strict=True)
+    ]
+    new_lipschitz = [
+        jnp.where(fitted, n, o) for n, o in zip(new_lipschitz, lipschitz, strict=True)
+    ]
+    return tuple(new_factors), tuple(new_lipschitz), km.precondition(new_factors, G)
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def _check_lr_style(name: str, value) -> None:
+    check_choice(name, value, ("adam", None))
+
+
+def _check_dtype(name: str, value) -> None:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(
+            f"Invalid {name}={value!r}: must be float32 or bfloat16 (a dtype or "
+            "its name)"
+        )
+
+
+def _check_optional_axis(name: str, value) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"Invalid {name}={value!r}: must be None or a mesh axis name")
+
+
+def _check_scanned_layers(name: str, value) -> None:
+    """None, a callable of the params, or a pytree of bools (matched against the
+    params at ``init``)."""
+    if value is None or callable(value):
+        return
+    if not all(isinstance(x, bool | np.bool_) for x in jax.tree.leaves(value)):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None, a pytree of bools like the "
+            "params, or a callable of the params returning one"
+        )
+
+
+def _check_partition_specs(name: str, value) -> None:
+    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
+    leaves = jax.tree.leaves(value, is_leaf=is_spec)
+    if value is not None and not all(is_spec(x) for x in leaves):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a pytree of PartitionSpecs "
+            "(or None) like the params"
+        )
+
+
+# Every argument of scale_by_pro (and pro's own, from the alias table), with the
+# check run at construction: Invalid <name>=<value!r>: must be <rule>.
+PRO_ARGUMENT_CHECKS = {
+    "lr_style": _check_lr_style,
+    "b1": lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False),
+    "normalize_grads": check_bool,
+    "max_size_dense": lambda n, v: check_int(n, v, low=0),
+    "preconditioner_lr": lambda n, v: check_real(n, v, low=0.0),
+    "preconditioner_init_scale": lambda n, v: check_real(
+        n, v, low=0.0, low_inclusive=False
+    ),
+    "preconditioner_update_style": lambda n, v: check_choice(n, v, ("PRO", "QUAD")),
+    "dtype": _check_dtype,
+    "scanned_layers": _check_scanned_layers,
+    "block_size": lambda n, v: check_int(n, v, low=1),
+    "pipeline_axis_name": _check_optional_axis,
+    "pipeline_axis_size": lambda n, v: check_int(n, v, low=1),
+    "params_partition_specs": _check_partition_specs,
+    "noise_scale": lambda n, v: check_real(n, v, low=0.0),
+    "draws": lambda n, v: check_choice(n, v, DRAWS),
+}
+# Arguments that fix shapes or code paths: static under optax.inject_hyperparams.
+PRO_STATIC_ARGS = (
+    "lr_style",
+    "normalize_grads",
+    "max_size_dense",
+    "preconditioner_update_style",
+    "dtype",
+    "scanned_layers",
+    "block_size",
+    "pipeline_axis_name",
+    "pipeline_axis_size",
+    "params_partition_specs",
+    "draws",
+)
+
+
+# ------------------------------------------------------------------ transform
+
+
+def _unboxed(tree):
+    """(leaves with flax boxes unboxed, treedef, the boxes or None)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_box)
+    if not any(is_box(x) for x in leaves):
+        return leaves, treedef, None
+    return [x.unbox() if is_box(x) else x for x in leaves], treedef, leaves
+
+
+def _scanned_flags(scanned_layers, params, treedef) -> list[bool]:
+    if scanned_layers is None:
+        return [False] * treedef.num_leaves
+    flags = scanned_layers(params) if callable(scanned_layers) else scanned_layers
+    return [bool(f) for f in treedef.flatten_up_to(flags)]
+
+
+def scale_by_pro(
+    lr_style: str | None = "adam",
+    b1: float = 0.95,
+    normalize_grads: bool = False,
+    max_size_dense: int = 16384,
+    preconditioner_lr: float = 0.5,
+    preconditioner_init_scale: float = 1.0,
+    preconditioner_update_style: str = "PRO",
+    dtype: Any = jnp.float32,
+    scanned_layers: Any | Callable | None = None,
+    block_size: int = 256,
+    pipeline_axis_name: str | None = None,
+    pipeline_axis_size: int = 1,
+    params_partition_specs: Any | None = None,
+    noise_scale: float = 1e-9,
+    *,
+    draws: str = "distributed_kron",
+) -> optax.GradientTransformationExtraArgs:
+    """PSGD 'pro' preconditioning (the module docstring has the math).
+
+    Args:
+        lr_style: 'adam' divides the clipped update by 5 (use AdamW's learning
+            rates); None leaves it.
+        b1: momentum EMA coefficient (bias-corrected); 0 preconditions the gradient.
+        normalize_grads: divide each momentum tensor by its norm (+1e-6) first.
+        max_size_dense: sides longer than this get a diagonal factor.
+        preconditioner_lr: the fit's step size η (over the Lipschitz estimate).
+        preconditioner_init_scale: every factor starts as this times identity.
+        preconditioner_update_style: 'PRO' (Procrustes-rotated Q) or 'QUAD'
+            (symmetric Q).
+        dtype: float32 or bfloat16, of the momentum and factors (and the fit).
+        scanned_layers: None, a pytree of bools like the params, or a callable of
+            the params returning one: True marks a parameter stacked along a
+            leading layer axis (each layer gets its own factors).
+        block_size: length of the blocks a dense side is split into.
+        pipeline_axis_name: a mesh axis the factor stacks are split along.
+        pipeline_axis_size: that axis's size (stacks are padded to its multiple).
+        params_partition_specs: the params' PartitionSpecs (momentum and the
+            update follow them).
+        noise_scale: δ, the floor of the damping noise's scale.
+        draws: 'distributed_kron' draws exactly distributed-kron 2.0.0's random
+            numbers (cut from its zero-padded blocks); 'compact' draws as many as
+            the blocks have entries (the same distribution, cheaper).
+    """
+    arguments = dict(locals())
+    for name, value in arguments.items():
+        PRO_ARGUMENT_CHECKS[name](name, value)
+    dtype = jnp.dtype(dtype)
+    # b1 may be an array under optax.inject_hyperparams: only a concrete 0 drops
+    # the momentum buffer.
+    keep_momentum = not (is_concrete_number(b1) and b1 == 0)
+    pipeline_spec = (
+        None if pipeline_axis_name is None else PartitionSpec(pipeline_axis_name)
+    )
+
+    def constrain(x, spec):
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+    def plan_for(leaves, flags) -> _Plan:
+        shapes = [tuple(x.shape) for x in leaves]
+        return _plan(shapes, flags, max_size_dense, block_size, pipeline_axis_size)
+
+    def init_fn(params):
+        leaves, treedef, _ = _unboxed(params)
+        check_parameter_dtypes(treedef.unflatten(leaves), "PSGD pro", complex_ok=False)
+        flags = _scanned_flags(scanned_layers, treedef.unflatten(leaves), treedef)
+        plan = plan_for(leaves, flags)
+        mu = None
+        if keep_momentum:
+            mu = treedef.unflatten([jnp.zeros(x.shape, dtype) for x in leaves])
+            mu = constrain(mu, params_partition_specs)
+        factors, lipschitz = [], []
+        for stack in plan.stacks:
+            units = len(stack.key_index)
+            sides = []
+            for d, diag in zip(stack.shape, stack.diagonal, strict=True):
+                one = jnp.ones(d, dtype) if diag else jnp.eye(d, dtype=dtype)
+                Q = jnp.broadcast_to(
+                    preconditioner_init_scale * one, (units, *one.shape)
+                ).astype(dtype)
+                sides.append(constrain(Q, pipeline_spec))
+            factors.append(tuple(sides))
+            lipschitz.append(
+                tuple(
+                    constrain(jnp.zeros(units, jnp.float32), pipeline_spec)
+                    for _ in stack.shape
+                )
+            )
+        return ProState(
+            count=jnp.zeros([], jnp.int32),
+            mu=mu,
+            factors=tuple(factors),
+            lipschitz=tuple(lipschitz),
+        )
+
+    def fit_stack(stack, stream_size, factors, lipschitz, G, step, balance):
+        name = stack.stream if stack.stream == "dense" else stack.stream[0]
+        stream_keys = jax.random.split(
+            jax.random.fold_in(jax.random.PRNGKey(_STREAM_SEEDS[name]), step),
+            stream_size,
+        )
+        keys = constrain(stream_keys[stack.key_index], pipeline_spec)
+        G = constrain(G, pipeline_spec)
+        if len(factors) == 2:
+            factors = jax.lax.cond(
+                balance,
+                lambda f: tuple(jax.vmap(km.balance_factors)(list(f))),
+                lambda f: f,
+                factors,
+            )
+
+        def fit(factors, lipschitz, G, key):
+            return _fit_unit(
+                factors,
+                lipschitz,
+                G,
+                key,
+                style=preconditioner_update_style,
+                lr=preconditioner_lr,
+                noise_scale=noise_scale,
+                draw_shape=stack.draw_shape if draws == "distributed_kron" else None,
+            )
+
+        new_factors, new_lipschitz, PG = jax.vmap(fit)(factors, lipschitz, G, keys)
+        new_factors = tuple(constrain(Q, pipeline_spec) for Q in new_factors)
+        new_lipschitz = tuple(constrain(L, pipeline_spec) for L in new_lipschitz)
+        return new_factors, new_lipschitz, PG
+
+    def update_fn(updates, state: ProState, params=None, **extra_args):
+        del params, extra_args
+        grads, treedef, boxes = _unboxed(updates)
+        flags = _scanned_flags(scanned_layers, treedef.unflatten(grads), treedef)
+        plan = plan_for(grads, flags)
+        finite = gradients_are_usable(grads)
+        count = optax.safe_int32_increment(state.count)
+        if keep_momentum:
+            mu = [
+                (b1 * m.astype(jnp.float32) + (1 - b1) * g.astype(jnp.float32))
+                for m, g in zip(treedef.flatten_up_to(state.mu), grads, strict=True)
+            ]
+            correction = 1 - jnp.asarray(b1, jnp.float32) ** count
+            momentum = [(m / correction).astype(dtype) for m in mu]
+            mu = [m.astype(dtype) for m in mu]
+        else:
+            momentum = [g.astype(dtype) for g in grads]
+        if normalize_grads:
+            momentum = [m / (jnp.linalg.norm(m) + 1e-6) for m in momentum]
+        views = [
+            None if merged is None else m.reshape((B, *merged))
+            for m, B, merged in zip(momentum, plan.batch, plan.merged, strict=True)
+        ]
+        balance = count % BALANCE_EVERY == 0
+        pieces: dict[int, list] = {}
+        new_factors, new_lipschitz = [], []
+        for stack, factors, lipschitz in zip(
+            plan.stacks, state.factors, state.lipschitz, strict=True
+        ):
+            G = jnp.concatenate([_cut(views[r.leaf], r) for r in stack.regions])
+            if stack.padding:
+                G = jnp.concatenate(
+                    [G, jnp.zeros((stack.padding, *G.shape[1:]), G.dtype)]
+                )
+            fitted, fitted_lipschitz, PG = fit_stack(
+                stack,
+                plan.stream_sizes[stack.stream],
+                factors,
+                lipschitz,
+                G,
+                count,
+                balance,
+            )
+            new_factors.append(fitted)
+            new_lipschitz.append(fitted_lipschitz)
+            start = 0
+            for region in stack.regions:
+                B = plan.batch[region.leaf]
+                units = B * math.prod(region.counts)
+                pasted = _paste(PG[start : start + units], region, B)
+                pieces.setdefault(region.leaf, []).append((region, pasted))
+                start += units
+        out = []
+        for i, (g, merged) in enumerate(zip(grads, plan.merged, strict=True)):
+            if merged is None:
+                out.append(jnp.zeros_like(g))
+                continue
+            u = _assemble(pieces[i], merged, plan.batch[i]).reshape(g.shape)
+            rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
+            u = u * (CLIP_RMS / jnp.maximum(rms, CLIP_RMS)).astype(u.dtype)
+            if lr_style == "adam":
+                u = u / jnp.asarray(ADAM_STYLE_DIVISOR, u.dtype)
+            out.append(jnp.where(finite, u, 0).astype(u.dtype))
+        # A step with an unusable gradient (NaN/Inf or overflowing: _guards)
+        # returns zeros and keeps the state.
+        keep = lambda new, old: jax.tree.map(  # noqa: E731
+            lambda n, o: jnp.where(finite, n, o), new, old
+        )
+        new_state = ProState(
+            count=jnp.where(finite, count, state.count),
+            mu=None
+            if not keep_momentum
+            else keep(
+                constrain(treedef.unflatten(mu), params_partition_specs), state.mu
+            ),
+            factors=keep(tuple(new_factors), state.factors),
+            lipschitz=keep(tuple(new_lipschitz), state.lipschitz),
+        )
+        updates = treedef.unflatten(out)
+        updates = constrain(updates, params_partition_specs)
+        if boxes is not None:
+            flat = jax.tree.leaves(updates)
+            updates = treedef.unflatten(
+                [
+                    b.replace_boxed(u) if is_box(b) else u
+                    for b, u in zip(boxes, flat, strict=False)
+                ]
+            )
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def pro(
+    learning_rate: float | Callable[[int], float] = 0.001,
+    lr_style: str | None = "adam",
+    b1: float = 0.95,
+    weight_decay: float = 0.1,
+    weight_decay_mask: Any | Callable | None = None,
+    normalize_grads: bool = False,
+    max_size_dense: int = 16384,
+    preconditioner_lr: float = 0.5,
+    preconditioner_init_scale: float = 1.0,
+    preconditioner_update_style: str = "PRO",
+    dtype: Any = jnp.float32,
+    scanned_layers: Any | Callable | None = None,
+    block_size: int = 256,
+    pipeline_axis_name: str | None = None,
+    pipeline_axis_size: int = 1,
+    params_partition_specs: Any | None = None,
+    noise_scale: float = 1e-9,
+    *,
+    draws: str = "distributed_kron",
+) -> optax.GradientTransformationExtraArgs:
+    """PSGD 'pro' (:func:`scale_by_pro`) with decoupled weight decay and a learning
+    rate: θ ← θ − lr·(U + λ·mask⊙θ). A drop-in for distributed-kron 2.0's
+    ``pro``: same arguments, order, defaults and trajectory (``draws``, keyword
+    only, is precond's). With ``lr_style='adam'`` use AdamW's learning rate.
+
+    Example:
+        >>> optimizer = pro(learning_rate=1e-3, weight_decay=0.1)  # doctest: +SKIP
+    """
+    for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
+        ALIAS_ARGUMENT_CHECKS[name](name, locals()[name])
+    transforms = [
+        scale_by_pro(
+            lr_style,
+            b1,
+            normalize_grads,
+            max_size_dense,
+            preconditioner_lr,
+            preconditioner_init_scale,
+            preconditioner_update_style,
+            dtype,
+            scanned_layers,
+            block_size,
+            pipeline_axis_name,
+            pipeline_axis_size,
+            params_partition_specs,
+            noise_scale,
+            draws=draws,
+        )
+    ]
+    if not (isinstance(weight_decay, int | float) and weight_decay <= 0):
+        transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
+    transforms.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*transforms)
+
+
+def pro_opt_state_partition_specs(params, **pro_kwargs):
+    """PartitionSpecs of ``pro(**pro_kwargs).init(params)``'s state, for
+    ``jax.jit(..., out_shardings=...)``: the momentum follows
+    ``params_partition_specs`` (replicated without them), factor stacks are split
+    along ``pipeline_axis_name`` (replicated without it), the count replicated.
+    As distributed-kron 2.0's ``get_opt_state_partition_specs`` (a tuple of the
+    chain's states; None for the stateless decay and learning rate)."""
+    core = {
+        k: v
+        for k, v in pro_kwargs.items()
+        if k in inspect.signature(scale_by_pro).parameters
+    }
+    axis = core.pop("pipeline_axis_name", None)
+    param_specs = core.pop("params_partition_specs", None)
+    shapes = jax.eval_shape(scale_by_pro(**core).init, params)
+
+    def stack_spec(x):
+        return PartitionSpec() if axis is None else PartitionSpec(axis)
+
+    leaves, treedef, _ = _unboxed(params)
+    mu = None
+    if shapes.mu is not None:
+        mu = param_specs or treedef.unflatten([PartitionSpec()] * len(leaves))
+    specs = ProState(
+        count=PartitionSpec(),
+        mu=mu,
+        factors=jax.tree.map(stack_spec, shapes.factors),
+        lipschitz=jax.tree.map(stack_spec, shapes.lipschitz),
+    )
+    weight_decay = pro_kwargs.get("weight_decay", 0.1)
+    if is_concrete_number(weight_decay) and weight_decay <= 0:
+        return (specs, None)
+    return (specs, None, None)
+
+
+# distributed-kron 2.0's name, for `from distributed_kron.pro import ...` users.
+get_opt_state_partition_specs = pro_opt_state_partition_specs
