@@ -31,7 +31,10 @@ def test_signature_is_distributed_kron_2s(dk2, name):
     assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
         (p.name, p.kind, p.default) for p in theirs
     ]
-    assert [p.name for p in ours[len(theirs) :]] == ["draws"]
+    assert [p.name for p in ours[len(theirs) :]] == [
+        "draws",
+        "preconditioner_update_probability",
+    ]
     assert all(p.kind is p.KEYWORD_ONLY for p in ours[len(theirs) :])
 
 
@@ -247,3 +250,39 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_update_probability_fits_on_the_first_step_then_every_1_over_p():
+    """With p = 1/3 the factors change on steps 1, 4, 7 and stay put between;
+    a fitting step is the step p = 1 takes from the same state."""
+    params = {"w": jnp.zeros((20, 12)), "b": jnp.zeros((12,))}
+    grads = [
+        {
+            "w": jax.random.normal(jax.random.PRNGKey(t), (20, 12)),
+            "b": jax.random.normal(jax.random.PRNGKey(100 + t), (12,)),
+        }
+        for t in range(7)
+    ]
+    sometimes = pj.pro(block_size=16, preconditioner_update_probability=1 / 3)
+    always = pj.pro(block_size=16)
+    state = sometimes.init(params)
+    for step, g in enumerate(grads, start=1):
+        before = state
+        u, state = sometimes.update(g, state, params)
+        changed = not all(
+            np.array_equal(a, b)
+            for a, b in zip(
+                jax.tree.leaves(before[0].factors),
+                jax.tree.leaves(state[0].factors),
+                strict=True,
+            )
+        )
+        assert changed == (step % 3 == 1), step
+        if changed:
+            u_always, _ = always.update(g, before, params)
+            for name in params:
+                # Equal up to float32 rounding (a different program: the
+                # fit sits in a lax.cond).
+                np.testing.assert_allclose(
+                    u[name], u_always[name], rtol=1e-5, atol=1e-9
+                )

@@ -70,6 +70,7 @@ class ProState(NamedTuple):
     mu: Any  # momentum like the params, in ``dtype``; None when b1 == 0
     factors: tuple
     lipschitz: tuple
+    update_counter: jax.Array  # [] int32: steps since the factors were fitted
 
 
 # ------------------------------------------------------------------ layout
@@ -384,6 +385,9 @@ PRO_ARGUMENT_CHECKS = {
     "params_partition_specs": _check_partition_specs,
     "noise_scale": lambda n, v: check_real(n, v, low=0.0),
     "draws": lambda n, v: check_choice(n, v, DRAWS),
+    "preconditioner_update_probability": lambda n, v: check_real(
+        n, v, low=0.0, high=1.0, low_inclusive=False, allow_schedule=True
+    ),
 }
 # Arguments that fix shapes or code paths: static under optax.inject_hyperparams.
 PRO_STATIC_ARGS = (
@@ -436,6 +440,7 @@ def scale_by_pro(
     noise_scale: float = 1e-9,
     *,
     draws: str = "distributed_kron",
+    preconditioner_update_probability: float | Callable = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD 'pro' preconditioning (the module docstring has the math).
 
@@ -462,6 +467,11 @@ def scale_by_pro(
         draws: 'distributed_kron' draws exactly distributed-kron 2.0.0's random
             numbers (cut from its zero-padded blocks); 'compact' draws as many as
             the blocks have entries (the same distribution, cheaper).
+        preconditioner_update_probability: p, or a schedule p(step): the factors
+            are fitted on the first step and then once 1/p steps have passed
+            since the last fit (every step at p = 1, distributed-kron's
+            behaviour); other steps precondition
+            with the factors as they are, at a fraction of the cost.
     """
     arguments = dict(locals())
     for name, value in arguments.items():
@@ -512,9 +522,15 @@ def scale_by_pro(
             mu=mu,
             factors=tuple(factors),
             lipschitz=tuple(lipschitz),
+            update_counter=jnp.zeros([], jnp.int32),
         )
 
-    def fit_stack(stack, stream_size, factors, lipschitz, G, step, balance):
+    always_fit = (
+        is_concrete_number(preconditioner_update_probability)
+        and preconditioner_update_probability == 1
+    )
+
+    def fit_stack(stack, stream_size, factors, lipschitz, G, step, balance, do_fit):
         name = stack.stream if stack.stream == "dense" else stack.stream[0]
         stream_keys = jax.random.split(
             jax.random.fold_in(jax.random.PRNGKey(_STREAM_SEEDS[name]), step),
@@ -542,7 +558,19 @@ def scale_by_pro(
                 draw_shape=stack.draw_shape if draws == "distributed_kron" else None,
             )
 
-        new_factors, new_lipschitz, PG = jax.vmap(fit)(factors, lipschitz, G, keys)
+        def fitted(factors, lipschitz):
+            return jax.vmap(fit)(factors, lipschitz, G, keys)
+
+        def kept(factors, lipschitz):
+            PG = jax.vmap(lambda f, g: km.precondition(list(f), g))(factors, G)
+            return factors, lipschitz, PG
+
+        if always_fit:
+            new_factors, new_lipschitz, PG = fitted(factors, lipschitz)
+        else:
+            new_factors, new_lipschitz, PG = jax.lax.cond(
+                do_fit, fitted, kept, factors, lipschitz
+            )
         new_factors = tuple(constrain(Q, pipeline_spec) for Q in new_factors)
         new_lipschitz = tuple(constrain(L, pipeline_spec) for L in new_lipschitz)
         return new_factors, new_lipschitz, PG
@@ -571,6 +599,18 @@ def scale_by_pro(
             for m, B, merged in zip(momentum, plan.batch, plan.merged, strict=True)
         ]
         balance = count % BALANCE_EVERY == 0
+        update_counter = state.update_counter + 1
+        if always_fit:
+            do_fit = jnp.asarray(True)
+        else:
+            prob = preconditioner_update_probability
+            prob = prob(count) if callable(prob) else prob
+            # The first step always fits (the factors start as identities).
+            do_fit = (count == 1) | (
+                update_counter.astype(jnp.float32)
+                >= 1.0 / jnp.asarray(prob, jnp.float32)
+            )
+        update_counter = jnp.where(do_fit, 0, update_counter)
         pieces: dict[int, list] = {}
         new_factors, new_lipschitz = [], []
         for stack, factors, lipschitz in zip(
@@ -589,6 +629,7 @@ def scale_by_pro(
                 G,
                 count,
                 balance,
+                do_fit,
             )
             new_factors.append(fitted)
             new_lipschitz.append(fitted_lipschitz)
@@ -624,6 +665,7 @@ def scale_by_pro(
             ),
             factors=keep(tuple(new_factors), state.factors),
             lipschitz=keep(tuple(new_lipschitz), state.lipschitz),
+            update_counter=jnp.where(finite, update_counter, state.update_counter),
         )
         updates = treedef.unflatten(out)
         updates = constrain(updates, params_partition_specs)
@@ -660,11 +702,13 @@ def pro(
     noise_scale: float = 1e-9,
     *,
     draws: str = "distributed_kron",
+    preconditioner_update_probability: float | Callable = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD 'pro' (:func:`scale_by_pro`) with decoupled weight decay and a learning
     rate: θ ← θ − lr·(U + λ·mask⊙θ). A drop-in for distributed-kron 2.0's
-    ``pro``: same arguments, order, defaults and trajectory (``draws``, keyword
-    only, is precond's). With ``lr_style='adam'`` use AdamW's learning rate.
+    ``pro``: same arguments, order, defaults and trajectory (``draws`` and
+    ``preconditioner_update_probability``, keyword only, are precond's). With
+    ``lr_style='adam'`` use AdamW's learning rate.
 
     Example:
         >>> optimizer = pro(learning_rate=1e-3, weight_decay=0.1)  # doctest: +SKIP
@@ -688,6 +732,7 @@ def pro(
             params_partition_specs,
             noise_scale,
             draws=draws,
+            preconditioner_update_probability=preconditioner_update_probability,
         )
     ]
     if not (isinstance(weight_decay, int | float) and weight_decay <= 0):
@@ -724,6 +769,7 @@ def pro_opt_state_partition_specs(params, **pro_kwargs):
         mu=mu,
         factors=jax.tree.map(stack_spec, shapes.factors),
         lipschitz=jax.tree.map(stack_spec, shapes.lipschitz),
+        update_counter=PartitionSpec(),
     )
     weight_decay = pro_kwargs.get("weight_decay", 0.1)
     if is_concrete_number(weight_decay) and weight_decay <= 0:
