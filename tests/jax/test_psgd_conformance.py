@@ -293,7 +293,11 @@ def test_one_compile_for_many_donated_steps(name, newton):
     assert len(traces) == 1
 
 
-@pytest.mark.parametrize(("name", "newton"), CASES)
+# Whitening mode under inject_hyperparams: test_optax_contract.py's table.
+NEWTON_CASES = [case for case in CASES if case.values[1]]
+
+
+@pytest.mark.parametrize(("name", "newton"), NEWTON_CASES)
 def test_inject_hyperparams_gives_same_updates(name, newton):
     kwargs = dict(learning_rate=3e-3, b1=0.9, weight_decay=0.01)
     if name.startswith("kron"):

@@ -23,6 +23,7 @@ old factors.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 from optax import tree_utils as otu
 
 from precond._common.validation import (
@@ -46,6 +48,7 @@ from precond.jax._guards import (
     gradients_are_usable,
 )
 from precond.jax._kron_math import complex_dtype, is_complex
+from precond.jax._kron_sharding import explicit_specs
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 from precond.jax.hessian import newton_arguments
 
@@ -88,6 +91,31 @@ class Preconditioner(NamedTuple):
     apply: Callable[[Any, Any], Any]
     draws_vector: bool = True
     fit_uses_key: bool = False
+
+
+def flat_size_and_dtype(params: Any) -> tuple[int, jnp.dtype]:
+    """The number of entries of all leaves of ``params`` and the dtype
+    ``ravel_pytree`` would flatten them to (float32 when there are none), from
+    shapes alone: ``params`` may be abstract (``jax.ShapeDtypeStruct``)."""
+    leaves = jax.tree.leaves(params)
+    n = sum(math.prod(jnp.shape(x)) for x in leaves)
+    dtype = jnp.result_type(*(x.dtype for x in leaves)) if leaves else jnp.float32
+    return n, jnp.dtype(dtype)
+
+
+def with_auto_axes(body: Callable, out_like: Any, *args) -> Any:
+    """``body(*args)``; when some argument lives on a mesh with Explicit axes
+    (sharding in types), under ``jax.sharding.auto_axes``: the compiler places
+    the preconditioner's work (reshapes of sharded leaves included) as on an
+    auto mesh, and the outputs are sharded like ``out_like`` (a tree with the
+    outputs' structure; replicated where it has no sharding)."""
+    specs = explicit_specs(args)
+    if specs is None:
+        return body(*args)
+    out_specs = explicit_specs(out_like)
+    if out_specs is None:
+        out_specs = jax.tree.map(lambda _: PartitionSpec(), out_like)
+    return jax.sharding.auto_axes(body, out_sharding=out_specs)(*args)
 
 
 def _optional(check: Callable) -> Callable:

@@ -26,17 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
 
 from precond._common.validation import check_bool, check_int
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._guards import is_params_placeholder
-from precond.jax._kron_sharding import explicit_specs
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
     scale_by_psgd,
+    with_auto_axes,
 )
 
 # Each fit rebalances the two factors of every parameter with this probability.
@@ -293,19 +292,6 @@ def integrates_noise_out(factors: AffineFactors) -> bool:
     return False
 
 
-def _with_auto_axes(body: Callable, out_like: Any, *args) -> Any:
-    """``body(*args)``; on an explicit mesh under ``auto_axes`` (the compiler
-    places the per-leaf matrix work, as on an auto mesh), with outputs sharded
-    like ``out_like`` (a tree with the outputs' structure)."""
-    specs = explicit_specs(args)
-    if specs is None:
-        return body(*args)
-    out_specs = explicit_specs(out_like)
-    if out_specs is None:
-        out_specs = jax.tree.map(lambda _: PartitionSpec(), out_like)
-    return jax.sharding.auto_axes(body, out_sharding=out_specs)(*args)
-
-
 def affine_preconditioner(
     step_normalizer_order: str = "2nd",
     max_size_triangular: int = 4096,
@@ -377,7 +363,7 @@ def affine_preconditioner(
         )
 
     def fit(factors, h, v, lr, first, key, newton):
-        return _with_auto_axes(
+        return with_auto_axes(
             functools.partial(fit_all, newton=newton),
             factors,
             factors,
@@ -403,7 +389,7 @@ def affine_preconditioner(
         return treedef.unflatten(new)
 
     def apply(factors, m):
-        return _with_auto_axes(apply_all, m, factors, m)
+        return with_auto_axes(apply_all, m, factors, m)
 
     def apply_all(factors, m):
         leaves, treedef = jax.tree.flatten(m)

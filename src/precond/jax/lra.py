@@ -25,7 +25,9 @@ from precond.jax._kron_math import conj, conj_transpose, squared_magnitude
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
+    flat_size_and_dtype,
     scale_by_psgd,
+    with_auto_axes,
 )
 
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
@@ -227,9 +229,8 @@ def lra_preconditioner(
     multiplied by (Σv²/Σh²)^{1/4} (whitening: (n/Σh²)^{1/4})."""
 
     def init(params, scale, key):
-        flat, _ = ravel_pytree(params)
-        n = flat.shape[0]
-        dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
+        n, dtype = flat_size_and_dtype(params)
+        dtype = jnp.promote_types(dtype, jnp.float32) if n else jnp.float32
         r = min(rank, n)
         norm = (n * (r + 10)) ** 0.5 if n else 1.0
         key, u_key = jax.random.split(key)
@@ -239,9 +240,13 @@ def lra_preconditioner(
         return LRAFactors(U=U, V=V, d=jnp.full((n,), scale, dtype)), key
 
     def fit(factors, h, v, lr, first, key, newton):
-        U, V, d = factors
-        if d.shape[0] == 0:  # no parameters: nothing to fit (min/max need entries)
+        if factors[2].shape[0] == 0:  # no parameters: nothing to fit (min/max)
             return factors
+        fit_flat = functools.partial(fit_vectors, newton=newton)
+        return with_auto_axes(fit_flat, factors, factors, h, v, lr, first, key)
+
+    def fit_vectors(factors, h, v, lr, first, key, newton):
+        U, V, d = factors
         balance, update_u = fit_randomness(key)
         h = ravel_pytree(h)[0].astype(d.dtype)
         v = ravel_pytree(v)[0].astype(d.dtype)
@@ -265,6 +270,9 @@ def lra_preconditioner(
             )
 
     def apply(factors, m):
+        return with_auto_axes(apply_flat, m, factors, m)
+
+    def apply_flat(factors, m):
         flat, unravel = ravel_pytree(m)
         with matmul_precision(precision), jax.named_scope("precond/lra/precondition"):
             return unravel(lra_precondition(*factors, flat.astype(factors.d.dtype)))

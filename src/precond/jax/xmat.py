@@ -8,6 +8,7 @@ state with the momentum, O(n) work per step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,7 +21,9 @@ from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._kron_math import conj, squared_magnitude
 from precond.jax._psgd_transform import (
     Preconditioner,
+    flat_size_and_dtype,
     scale_by_psgd,
+    with_auto_axes,
 )
 
 
@@ -98,17 +101,20 @@ def xmat_preconditioner(
     (whitening, v drawn by the transform)."""
 
     def init(params, scale, key):
-        flat, _ = ravel_pytree(params)
-        n = flat.shape[0]
-        dtype = jnp.promote_types(flat.dtype, jnp.float32) if n else jnp.float32
+        n, dtype = flat_size_and_dtype(params)
+        dtype = jnp.promote_types(dtype, jnp.float32) if n else jnp.float32
         factors = XMatFactors(a=jnp.full((n,), scale, dtype), b=jnp.zeros((n,), dtype))
         return factors, key
 
     def fit(factors, h, v, lr, first, key, newton):
         del key
-        a, b = factors
-        if a.shape[0] == 0:  # no parameters: nothing to fit (max needs entries)
+        if factors[0].shape[0] == 0:  # no parameters: nothing to fit
             return factors
+        fit_flat = functools.partial(fit_vectors, newton=newton)
+        return with_auto_axes(fit_flat, factors, factors, h, v, lr, first)
+
+    def fit_vectors(factors, h, v, lr, first, newton):
+        a, b = factors
         h = ravel_pytree(h)[0].astype(a.dtype)
         v = ravel_pytree(v)[0].astype(a.dtype)
         # Whitening: E[Σv²] = n stands for the drawn Σv² (as psgd-jax).
@@ -120,6 +126,9 @@ def xmat_preconditioner(
         return XMatFactors(*xmat_update(a, b, v, h, lr, step_normalizer_order))
 
     def apply(factors, m):
+        return with_auto_axes(apply_flat, m, factors, m)
+
+    def apply_flat(factors, m):
         flat, unravel = ravel_pytree(m)
         return unravel(xmat_precondition(*factors, flat.astype(factors.a.dtype)))
 
