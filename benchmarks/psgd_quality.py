@@ -1,0 +1,161 @@
+"""Quality against the best: precond's PSGD beside distributed-kron 2.0's ``pro``,
+Muon and AdamW on the bench's char-lm, at equal steps and equal time.
+
+Every optimizer runs the same protocol, through the bench's own runner
+(``precond.bench``): the char-lm workload (2-layer transformer, d 64, context 64,
+next byte of Python's help topics), minibatch ``--batch-size`` (16), the bench's
+schedule (linear warm-up over 5% of the steps, cosine to 0), its weight decay
+(1e-4, decoupled), for each step budget of ``--steps`` (300 and 2000), at each
+rate of its learning-rate sweep (its bench rate times ``--lr-multipliers``),
+with ``--seeds`` seeds (3). Per budget, each optimizer's rate is the one with
+the lowest mean final validation loss, and the table gives at that rate: the
+validation loss (mean ± std over seeds), the steps and the training seconds
+until the validation curve reaches AdamW's final validation loss and stays
+(ratios to AdamW's whole run), and the median step time.
+
+Optimizers (``--optimizers``):
+
+- ``adamw``, ``muon``, ``kron``: the bench's (``precond bench --list``);
+- ``pro``: ``precond.jax.pro`` with its defaults (``lr_style='adam'``: AdamW's
+  rate), from the bench too;
+- ``pro-compact``: the same with ``draws='compact'`` (draws sized to the blocks);
+- ``pro-p0.5``: ``pro`` fitting its factors every other step
+  (``preconditioner_update_probability=0.5``);
+- ``dk2-pro``: distributed-kron 2.0.0's ``pro`` (the test oracle, loaded from
+  ``.oracles/`` as tests/oracles.py does; see the README's test command), at
+  ``pro``'s rate.
+
+Timings are only comparable within one run on a quiet machine: the script runs
+everything one after another, with the bench's threads (``--threads``).
+
+Usage::
+
+    python benchmarks/psgd_quality.py --out /tmp/quality            # everything
+    python benchmarks/psgd_quality.py --steps 300 --seeds 1 --lr-multipliers 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", default="300,2000")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--lr-multipliers", default="0.3,1,3")
+    parser.add_argument(
+        "--optimizers", default="adamw,muon,kron,pro,pro-compact,pro-p0.5,dk2-pro"
+    )
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="default: the bench's (every core)"
+    )
+    parser.add_argument("--out", default="psgd-quality")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _specs(names):
+    """The optimizer specs by name: the bench's, and this script's variants."""
+    import precond.jax as pj
+    from precond.bench.optimizers import OPTIMIZERS
+
+    def variant(name, description, **kwargs):
+        def make(learning_rate, weight_decay):
+            return pj.pro(learning_rate, weight_decay=weight_decay, **kwargs)
+
+        return dataclasses.replace(
+            OPTIMIZERS["pro"], name=name, description=description, make=make
+        )
+
+    def distributed_kron_pro():
+        sys.path.insert(0, str(REPO))
+        from tests import oracles
+
+        module = oracles.distributed_kron_pro()
+
+        def make(learning_rate, weight_decay):
+            return module.pro(learning_rate, weight_decay=weight_decay)
+
+        return dataclasses.replace(
+            OPTIMIZERS["pro"],
+            name="dk2-pro",
+            description="distributed-kron 2.0.0's pro, its defaults",
+            make=make,
+            make_torch=None,
+        )
+
+    extra = {
+        "pro-compact": lambda: variant(
+            "pro-compact", "precond.jax.pro, draws='compact'", draws="compact"
+        ),
+        "pro-p0.5": lambda: variant(
+            "pro-p0.5",
+            "precond.jax.pro fitting every other step",
+            preconditioner_update_probability=0.5,
+        ),
+        "dk2-pro": distributed_kron_pro,
+    }
+    return [extra[n]() if n in extra else OPTIMIZERS[n] for n in names]
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    from precond.bench.machine import available_cores, configure_threads, environment
+
+    threads = configure_threads(args.threads or available_cores(), ("jax",))
+    from precond.bench import analysis, report, suite
+    from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY
+    from precond.bench.workloads import get_workload
+
+    workload = get_workload("char-lm")
+    specs = _specs(args.optimizers.split(","))
+    multipliers = [float(m) for m in args.lr_multipliers.split(",")]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = []
+    for steps in (int(s) for s in args.steps.split(",")):
+        jobs = suite.plan(
+            ["jax"],
+            [workload],
+            specs,
+            seeds=range(args.seeds),
+            lr_multipliers=multipliers,
+            steps=steps,
+            batch_size=args.batch_size,
+        )
+        start = time.time()
+        outcome = suite.run_suite(jobs, DEFAULT_WEIGHT_DECAY, not args.no_progress)
+        rows = analysis.summarize(outcome.results)
+        table = report.format_table(rows)
+        fastest = report.format_fastest(rows)
+        section = (
+            f"## {steps} steps, batch {args.batch_size}, {args.seeds} seeds, "
+            f"rates x {args.lr_multipliers} ({time.time() - start:.0f} s)\n\n"
+            f"```\n{table}\n{fastest}\n```\n"
+        )
+        sections.append(section)
+        print(section, flush=True)
+        with open(out / f"results-{steps}.json", "w") as file:
+            json.dump([r.to_dict() for r in outcome.results], file)
+        if outcome.interrupted:
+            break
+    command = " ".join(["python benchmarks/psgd_quality.py", *(argv or sys.argv[1:])])
+    machine = json.dumps(environment(("jax",), threads), indent=1)
+    (out / "report.md").write_text(
+        f"# psgd_quality\n\n`{command}`\n\n```\n{machine}\n```\n\n"
+        + "\n".join(sections)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
