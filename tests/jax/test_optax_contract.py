@@ -6,28 +6,37 @@ check them), each against an oracle:
 
 * ``optax.tree.map_params``: the identity keeps the state; a marker changes
   exactly the parameter-shaped copies (momentum, ...) and nothing else; partition
-  specs of the params give those copies their specs (the documented use).
+  specs of the params give those copies their specs (the documented use); it
+  sees through inject_hyperparams and chain.
 * ``optax.inject_hyperparams``: the inner state is the plain optimizer's (tree,
-  shapes, dtypes) and five steps give the same updates.
+  shapes, dtypes, whatever weight_decay is) and five steps give the same
+  updates; without ``static_args`` the error names the argument to list there.
 * ``GradientTransformationExtraArgs``: unknown keyword arguments of ``update``
   are ignored (optax's ``chain`` passes every member all of them);
-  ``chain(clip_by_global_norm, opt)`` is ``opt`` on the clipped gradients and
-  ``with_extra_args_support`` changes nothing.
+  ``chain(clip_by_global_norm, masked(opt))`` is ``opt`` on the clipped
+  gradients of the unmasked leaves (``MaskedNode`` in the inner state), the
+  masked-out leaf gets its gradient; ``with_extra_args_support`` is a no-op.
 * jit and scan: jitted ``init`` equals eager ``init``, five steps compile once,
-  ``lax.scan`` over them equals the Python loop, ``jax.eval_shape(init)`` is the
-  real state's shape tree, and the state survives ``jax.tree`` flatten/unflatten
-  and ``jax.device_get`` (the next step is bit-identical).
+  ``lax.scan`` over them equals the Python loop, ``jax.eval_shape(init)`` (and
+  ``init`` itself) of abstract params is the real state's shape tree, update and
+  state dtypes never change, and the state survives ``jax.tree``
+  flatten/unflatten and ``jax.device_get`` (the next step is bit-identical).
+* explicit meshes (optax's sharding tests): state types (shape, dtype,
+  sharding) are the same from eager and jitted init and after a jitted step,
+  and the updates equal the unsharded ones.
 * dtypes and trees: params of several kinds (dict, nested tuple and list, shapes
-  (), 1-D, 2-D, 3-D, a bare array, a ``None`` leaf, bfloat16 next to float32)
-  keep structure and dtype through ``lax.cond`` (optax's check that state and
-  update types are stable) and the loss falls; ``optax.masked`` (``MaskedNode``
-  leaves in the inner state) equals the optimizer on the unmasked leaves alone.
+  (), 1-D, 2-D, 3-D, a bare array, a ``None`` leaf, bfloat16 and float16 next
+  to float32) keep structure and dtype through ``lax.cond`` (optax's check that
+  state and update types are stable) and the loss falls; ``optax.MultiSteps``
+  emits zeros until its k-th step.
 * complex parameters: trains (proven in ``test_complex.py``: a complex
   least-squares problem converges to its imaginary optimum) or is refused at
   ``init`` with an error naming the parameter.
 
-Every test reuses, per row, one jitted update and its five-step trajectory
-(:func:`_trajectory`), so a row compiles each program once.
+Tests share compiled programs: per row, one jitted update and its five-step
+trajectory (:func:`_trajectory`), one scan (:func:`_scanned`) and one wrapped
+step (:func:`_wrapped_step`). Known failures are marked xfail(strict=True) with
+their reason.
 """
 
 from __future__ import annotations
@@ -268,31 +277,54 @@ def test_map_params_through_inject_hyperparams_and_chain(name):
 # ------------------------------------------------------------------ inject_hyperparams
 
 
+def _injected(name: str) -> optax.GradientTransformationExtraArgs:
+    row = OPTIMIZERS[name]
+    factory = optax.inject_hyperparams(row.factory, static_args=row.static_args)
+    return factory(**row.kwargs)
+
+
+@functools.cache
+def _scanned(name: str):
+    """The five steps of the trajectory as one lax.scan of the optimizer under
+    optax.inject_hyperparams, without EXTRA (one program per row, shared by the
+    inject and scan tests): its final state and stacked updates."""
+    injected = _injected(name)
+
+    @jax.jit
+    def scanned(grads):
+        def body(state, grads):
+            updates, state = injected.update(grads, state, PARAMS)
+            return state, updates
+
+        return jax.lax.scan(body, injected.init(PARAMS), grads)
+
+    return scanned(jax.tree.map(lambda *g: jnp.stack(g), *GRADS))
+
+
+# Hyperparameters arrive as float32 arrays instead of Python floats (XLA folds
+# 1 - b1 etc. in another precision), and the scan is another program than the
+# loop's (XLA fuses the steps differently): an ulp here and there, amplified by
+# cancellation in small entries and, in Shampoo, by its inverse roots.
+SCAN_RTOL = 1e-5
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_inject_hyperparams_keeps_the_state_and_the_updates(name):
-    row = OPTIMIZERS[name]
+    """The injected optimizer's inner state is the plain one's (tree, shapes,
+    dtypes), at init and after five steps (scanned), whatever weight_decay is
+    (inject_hyperparams passes it as an array); its updates are the plain
+    trajectory's (test_jit_scan_and_eval_shape_agree_with_the_loop)."""
     run = _trajectory(name)
-    injected = optax.inject_hyperparams(row.factory, static_args=row.static_args)(
-        **row.kwargs
-    )
-    state = jax.jit(injected.init)(PARAMS)
-    # inject_hyperparams passes weight_decay as an array: the state's structure
-    # must not depend on its value.
+    state = jax.jit(_injected(name).init)(PARAMS)
     decayed = _make(name, weight_decay=0.01).init(PARAMS)
     assert jax.tree.structure(decayed) == jax.tree.structure(run.states[0])
     assert jax.tree.structure(state.inner_state) == jax.tree.structure(run.states[0])
     assert _avals(state.inner_state) == _avals(run.states[0])
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(
-        row.kwargs["learning_rate"]
+        OPTIMIZERS[name].kwargs["learning_rate"]
     )
-    update = jax.jit(injected.update)
-    for grads, want in zip(GRADS, run.updates, strict=True):
-        got, state = update(grads, state, PARAMS)
-        # Hyperparameters arrive as float32 arrays instead of Python floats (XLA
-        # folds 1 - b1 etc. in another precision): an ulp here and there,
-        # amplified by cancellation in small entries.
-        _assert_trees_equal(got, want, rtol=1e-5)
-    assert _avals(state.inner_state) == _avals(run.states[-1])
+    final, _ = _scanned(name)
+    assert _avals(final.inner_state) == _avals(run.states[-1])
 
 
 @pytest.mark.parametrize(
@@ -393,10 +425,11 @@ def _without_metrics(state):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_jit_scan_and_eval_shape_agree_with_the_loop(name):
-    """jit(init) = init; five jitted steps trace once; lax.scan over them gives
-    the loop's updates and state; eval_shape(init), of concrete or abstract
-    params, is the real state's shapes and dtypes; update and state dtypes never
-    change."""
+    """jit(init) = init; five jitted steps trace once; lax.scan over them (of
+    the optimizer under inject_hyperparams, without EXTRA) gives the loop's
+    updates and state; eval_shape(init), of concrete or abstract params, is the
+    real state's shapes and dtypes, and init takes abstract params directly (as
+    optax's sharding tests call it); update and state dtypes never change."""
     run = _trajectory(name)
     optimizer = run.optimizer
     # Eager and jitted init: the same random factors (LRA's U, V) up to XLA's
@@ -415,22 +448,16 @@ def test_jit_scan_and_eval_shape_agree_with_the_loop(name):
     # init of abstract params outside eval_shape, as optax's sharding tests call it.
     assert _avals(optimizer.init(abstract)) == _avals(run.states[0])
 
-    @jax.jit
-    def scanned(state, grads):
-        def body(state, grads):
-            updates, state = optimizer.update(grads, state, PARAMS)
-            return state, updates
-
-        return jax.lax.scan(body, state, grads)
-
-    stacked = jax.tree.map(lambda *g: jnp.stack(g), *GRADS)
-    state, updates = scanned(run.states[0], stacked)
-    # Another program than the loop's: XLA may fuse the steps differently.
-    tolerance = dict(rtol=1e-5)
-    _assert_trees_equal(*map(_without_metrics, (state, run.states[-1])), **tolerance)
+    # The scan runs the optimizer under inject_hyperparams and without EXTRA:
+    # the same trajectory also proves the injected hyperparameters and the
+    # extra arguments change nothing.
+    state, updates = _scanned(name)
+    _assert_trees_equal(
+        *map(_without_metrics, (state.inner_state, run.states[-1])), rtol=SCAN_RTOL
+    )
     for step, want in enumerate(run.updates):
         got = jax.tree.map(lambda u, step=step: u[step], updates)
-        _assert_trees_equal(got, want, **tolerance)
+        _assert_trees_equal(got, want, rtol=SCAN_RTOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
