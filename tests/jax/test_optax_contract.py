@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -595,6 +596,26 @@ def test_params_of_every_kind_keep_structure_and_dtypes(name, params_kind):
     if params_kind != "bare-array":
         assert params["none"] is None
     assert float(loss(params)) < float(loss(initial))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in NAMES
+        if "mu_dtype" in inspect.signature(OPTIMIZERS[n].factory).parameters
+    ],
+    ids=str,
+)
+def test_momentum_dtype_follows_mu_dtype(name):
+    """As optax's explicit-dtype check: the momentum (found by
+    optax.tree.get(state, 'mu')) has each parameter's dtype by default and
+    mu_dtype when given."""
+    params = {"w": jnp.ones((4, 3)), "h": jnp.ones(3, jnp.bfloat16)}
+    for mu_dtype in (None, jnp.bfloat16, jnp.float32):
+        mu = optax.tree.get(_make(name, mu_dtype=mu_dtype).init(params), "mu")
+        want = jax.tree.map(lambda p, d=mu_dtype: jnp.dtype(d or p.dtype), params)
+        assert jax.tree.map(lambda m: m.dtype, mu) == want, mu_dtype
 
 
 # ------------------------------------------------------------------ complex parameters
