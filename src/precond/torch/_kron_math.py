@@ -19,7 +19,7 @@ the real results are unchanged (ᴴ reads as ᵀ).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -229,14 +229,64 @@ def whitening_targets(
     return targets
 
 
-def procrustes_step(Q: torch.Tensor) -> torch.Tensor:
+def normal_draw(
+    generator: torch.Generator | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """N(0, I) of ``shape`` from ``generator`` (the default ``draw`` of the
+    sampled norm bounds; tests inject their own)."""
+    return torch.randn(tuple(shape), generator=generator, dtype=dtype, device=device)
+
+
+def sampled_norm_lower_bound(
+    S: torch.Tensor,
+    key: torch.Generator | None = None,
+    draw: Callable | None = None,
+    vectors: int = 32,
+    iterations: int = 2,
+) -> torch.Tensor:
+    """A lower bound on ‖S_b‖₂ of each real (B, d, d) entry from sampled power
+    iterations, as :func:`precond.jax._kron_math.sampled_norm_lower_bound`.
+
+    s = max|S_b|, Ŝ = S_b/s, x = the row of Ŝ with the largest norm; k start
+    vectors x + sign(⟨x, w⟩)·w, w ~ N(0, I), each mapped twice by
+    v ↦ (vŜ/‖vŜ‖)Ŝ; returns s·max_k‖v_k‖. ``draw(key, (B, k, d), dtype,
+    device)`` draws the w (default :func:`normal_draw`, from the generator
+    ``key``).
+    """
+    B, d = S.shape[0], S.shape[-1]
+    scale = S.abs().amax(dim=(1, 2)) + TINY
+    S_hat = S / scale[:, None, None]
+    row = (S_hat * S_hat).sum(dim=2).argmax(dim=1)
+    x = torch.take_along_dim(S_hat, row[:, None, None], dim=1)  # (B, 1, d)
+    W = (draw or normal_draw)(key, (B, vectors, d), S.dtype, S.device)
+    V = x + torch.sign((x * W).sum(dim=2, keepdim=True)) * W
+    for _ in range(iterations):
+        V = torch.bmm(V, S_hat)
+        V = V / (torch.linalg.vector_norm(V, dim=2, keepdim=True) + TINY)
+        V = torch.bmm(V, S_hat)
+    return scale * torch.linalg.vector_norm(V, dim=2).amax(dim=1)
+
+
+def procrustes_step(
+    Q: torch.Tensor,
+    key: torch.Generator | None = None,
+    draw: Callable | None = None,
+) -> torch.Tensor:
     """Rotates each (B, d, d) Q toward the symmetric PSD polar factor of QᴴQ:
     R = Qᴴ − Q normalised by lb(R), Q ← Q + aRQ + (a²/2)R²Q with
     a = min(−tr(RQ)/tr(R²Q), 1/8) when tr(R²Q) < 0, else 1/8 (P = QᴴQ kept to
     second order in a). Complex Q: R is skew-Hermitian (exp(aR) unitary) and
-    the traces are their real parts."""
+    the traces are their real parts. With a generator ``key`` (real Q), lb is
+    :func:`sampled_norm_lower_bound` (``draw``: its normal draws)."""
     R = Q.mH - Q
-    R = R / (norm_lower_bound(R) + TINY)[:, None, None]
+    if key is None:
+        bound = norm_lower_bound(R)
+    else:
+        bound = sampled_norm_lower_bound(R, key, draw)
+    R = R / (bound + TINY)[:, None, None]
     RQ = torch.bmm(R, Q)
     RRQ = torch.bmm(R, RQ)
     tr_RQ = RQ.diagonal(dim1=1, dim2=2).sum(dim=1).real
@@ -257,6 +307,8 @@ def update_factors_gen2(
     targets: Sequence[torch.Tensor],
     preconditioner_lr: float,
     style: str,
+    keys: Sequence[torch.Generator | None] | None = None,
+    draw: Callable | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One generation-2 PSGD step ('QUAD' or 'PRO') on each stack entry, as
     :func:`precond.jax._kron_math.update_factors_gen2`: with Pg = P·G,
@@ -267,18 +319,27 @@ def update_factors_gen2(
         QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
               Q ← (Q'' + Q''ᴴ)/2;  q ← q⊙(1 − (μ/2)(T1 − T2))²
 
-    ``lipschitz`` holds one (B,) tensor per axis. Returns new factors and L_i.
+    ``lipschitz`` holds one (B,) tensor per axis. ``keys`` (one
+    ``torch.Generator`` or None per factor, used by matrix factors of real
+    tensors): lb(T1) is :func:`sampled_norm_lower_bound` instead, and 'PRO''s
+    rotation bounds ‖R‖₂ the same way, drawing next from the same generator
+    (``draw``: their normal draws). Returns new factors and L_i.
     """
     Pg = precondition(Qs, G)
+    keys = [None] * len(Qs) if keys is None else keys
     new_Qs, new_L = [], []
-    for axis, (Q, L, T2) in enumerate(zip(Qs, lipschitz, targets, strict=True)):
+    for axis, (Q, L, T2, key) in enumerate(
+        zip(Qs, lipschitz, targets, keys, strict=True)
+    ):
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(Pg, axis, diagonal)
         T2 = T2.to(T1.dtype).expand_as(T1)
         if diagonal:
             ell = T1.amax(dim=1) + T2.amax(dim=1)
-        else:
+        elif key is None:
             ell = norm_lower_bound(T1) + norm_lower_bound(T2)
+        else:
+            ell = sampled_norm_lower_bound(T1, key, draw) + norm_lower_bound(T2)
         # β_L·L in the stored dtype (float32), as precond.jax computes it.
         decayed = (LIPSCHITZ_DECAY * L).to(ell.dtype)
         L = torch.maximum(decayed + (1 - LIPSCHITZ_DECAY) * ell, ell)
@@ -289,7 +350,7 @@ def update_factors_gen2(
             gain = 1 - scale[:, None] * E
             Q = Q * (gain if style == "PRO" else gain * gain)
         elif style == "PRO":
-            Q = procrustes_step(Q - mu[:, None, None] * torch.bmm(E, Q))
+            Q = procrustes_step(Q - mu[:, None, None] * torch.bmm(E, Q), key, draw)
         else:
             half = (0.5 * mu)[:, None, None]
             Q = Q - half * torch.bmm(E, Q)
@@ -300,7 +361,9 @@ def update_factors_gen2(
     return new_Qs, new_L
 
 
-def add_relative_damping_noise(G: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """G̃ = G + (δ + ε·|G|)⊙V with δ = 1e-9 and ε the machine epsilon of G's
+def add_relative_damping_noise(
+    G: torch.Tensor, V: torch.Tensor, floor: float = 1e-9
+) -> torch.Tensor:
+    """G̃ = G + (δ + ε·|G|)⊙V with δ = ``floor`` and ε the machine epsilon of G's
     dtype: the generation-2 rules' elementwise damping."""
-    return G + (1e-9 + torch.finfo(G.dtype).eps * G.abs()) * V
+    return G + (floor + torch.finfo(G.dtype).eps * G.abs()) * V

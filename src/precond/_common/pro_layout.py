@@ -1,0 +1,172 @@
+"""Layout of PSGD 'pro' (``precond.jax.pro``, ``precond.torch.Pro``): pure Python
+on shapes, shared by both frameworks.
+
+A parameter is read as a vector or as a matrix (:func:`merged_shape`); a matrix
+side of at most ``max_size_dense`` is dense and cut into blocks of
+``block_size`` (full blocks, then the remainder), a longer side keeps one
+diagonal factor. :func:`_plan` groups equal blocks into *stacks* that one
+batched call fits, and gives each block its index in distributed-kron 2.0's key
+streams (which the JAX transform uses to reproduce its draws).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+BALANCE_EVERY = 100  # steps between rebalancing a block's two factors
+CLIP_RMS = 1.1  # each tensor's update is clipped to this RMS
+ADAM_STYLE_DIVISOR = 5.0  # lr_style='adam': U/5 has the scale of Adam's update
+
+
+def merged_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a parameter's preconditioner sees: () or (n,) for vectors (and
+    for shapes whose dims are 1 but one), a 2-D shape as it is, and a higher
+    one split into two groups of adjacent dims whose sizes have the smallest
+    ratio (the first such split)."""
+    if len(shape) < 2:
+        return tuple(shape)
+    if math.prod(shape) == max(shape):
+        return (max(shape),)
+    if len(shape) == 2:
+        return tuple(shape)
+    ratios = [
+        max(math.prod(shape[:s]), math.prod(shape[s:]))
+        / min(math.prod(shape[:s]), math.prod(shape[s:]))
+        for s in range(1, len(shape))
+    ]
+    split = 1 + int(np.argmin(ratios))
+    return (math.prod(shape[:split]), math.prod(shape[split:]))
+
+
+class _Region(NamedTuple):
+    """Equal blocks cut from one parameter: ``counts`` blocks of ``shape`` per
+    side, starting at block index ``first`` and element ``offset`` of each side."""
+
+    leaf: int
+    counts: tuple[int, ...]
+    shape: tuple[int, ...]
+    first: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+class _Stack(NamedTuple):
+    """Blocks of one shape and side kinds, fitted by one vmapped call."""
+
+    stream: str  # key stream (``_STREAM_SEEDS``)
+    diagonal: tuple[bool, ...]  # per side
+    shape: tuple[int, ...]  # block shape
+    draw_shape: tuple[int, ...]  # shape of distributed-kron's padded block
+    regions: tuple[_Region, ...]
+    key_index: np.ndarray  # per unit (padding included): index in its stream
+    padding: int  # units added so the stack splits evenly over the pipeline axis
+
+
+class _Plan(NamedTuple):
+    batch: tuple[int, ...]  # per leaf: its layer count (1 when not scanned)
+    merged: tuple[tuple[int, ...] | None, ...]  # None: a 0-size parameter
+    stacks: tuple[_Stack, ...]
+    stream_sizes: dict  # stream name (per leaf but 'dense') -> number of keys
+
+
+def _segments(d: int, block: int | None) -> list[tuple[int, int, int, int]]:
+    """(count, size, first block, offset) of the equal pieces of a side of d:
+    full blocks then the remainder, or the whole side when not blocked."""
+    if block is None or d <= block:
+        return [(1, d, 0, 0)]
+    full, rest = divmod(d, block)
+    pieces = [(full, block, 0, 0)]
+    if rest:
+        pieces.append((1, rest, full, full * block))
+    return pieces
+
+
+def _plan(
+    shapes: list[tuple[int, ...]],
+    scanned: list[bool],
+    max_size_dense: int,
+    block_size: int,
+    pipeline_size: int,
+) -> _Plan:
+    batch, merged_shapes = [], []
+    groups: dict[tuple, list] = {}  # (stream instance, diagonal, shape) -> regions
+    stream_sizes: dict = {}
+    dense_units = 0
+    for leaf, (shape, is_scanned) in enumerate(zip(shapes, scanned, strict=True)):
+        B = shape[0] if is_scanned else 1
+        inner = tuple(shape[1:]) if is_scanned else tuple(shape)
+        merged = merged_shape(inner)
+        batch.append(B)
+        if math.prod(shape) == 0:
+            merged_shapes.append(None)
+            continue
+        if len(merged) <= 1:
+            merged = (math.prod(inner),)
+            merged_shapes.append(merged)
+            stream, diagonal, blocked = ("vector", leaf), (True,), (None,)
+        else:
+            merged_shapes.append(merged)
+            diagonal = tuple(d > max_size_dense for d in merged)
+            blocked = tuple(None if diag else block_size for diag in diagonal)
+            name = {
+                (False, False): "dense",
+                (True, True): "diagonal",
+                (True, False): "columns",
+                (False, True): "rows",
+            }[diagonal]
+            stream = "dense" if name == "dense" else (name, leaf)
+        per_side = [_segments(d, b) for d, b in zip(merged, blocked, strict=True)]
+        grid = [sum(count for count, *_ in side) for side in per_side]
+        units = B * math.prod(grid)
+        if stream == "dense":
+            base, dense_units = dense_units, dense_units + units
+        else:
+            base = 0
+            stream_sizes[stream] = units
+        draw_shape = tuple(
+            d if b is None else b for d, b in zip(merged, blocked, strict=False)
+        )
+        for combo in np.ndindex(*(len(side) for side in per_side)):
+            pieces = [side[c] for side, c in zip(per_side, combo, strict=True)]
+            region = _Region(
+                leaf,
+                counts=tuple(p[0] for p in pieces),
+                shape=tuple(p[1] for p in pieces),
+                first=tuple(p[2] for p in pieces),
+                offset=tuple(p[3] for p in pieces),
+            )
+            # Index of each unit (layer b, block (i, j)) in its key stream.
+            index = np.arange(B).reshape((B,) + (1,) * len(pieces)) * math.prod(grid)
+            stride = 1
+            for axis in reversed(range(len(pieces))):
+                blocks = region.first[axis] + np.arange(region.counts[axis])
+                shape_ = [1] * (len(pieces) + 1)
+                shape_[axis + 1] = -1
+                index = index + stride * blocks.reshape(shape_)
+                stride *= grid[axis]
+            key = (stream, diagonal, region.shape, draw_shape)
+            groups.setdefault(key, []).append((region, base + index.reshape(-1)))
+    if dense_units:
+        stream_sizes["dense"] = dense_units
+    stacks = []
+    for (stream, diagonal, shape, draw_shape), members in groups.items():
+        key_index = np.concatenate([index for _, index in members])
+        padding = 0 if stream[0] == "vector" else -len(key_index) % pipeline_size
+        stacks.append(
+            _Stack(
+                stream=stream,
+                diagonal=diagonal,
+                shape=shape,
+                draw_shape=draw_shape,
+                regions=tuple(region for region, _ in members),
+                key_index=np.concatenate([key_index, np.zeros(padding, int)]),
+                padding=padding,
+            )
+        )
+    # distributed-kron pads every stream but the vectors' to the pipeline size.
+    for stream in stream_sizes:
+        if stream == "dense" or stream[0] != "vector":
+            stream_sizes[stream] += -stream_sizes[stream] % pipeline_size
+    return _Plan(tuple(batch), tuple(merged_shapes), tuple(stacks), stream_sizes)
