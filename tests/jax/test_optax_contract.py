@@ -489,9 +489,10 @@ def _explicit_mesh_cases():
         if name == "shampoo":
             marks = pytest.mark.xfail(
                 strict=True,
-                reason="distributed_shampoo's init reshapes a leaf sharded in its "
-                "type without out_sharding: ShardingTypeError (issue 18: Shampoo "
-                "fails on meshes with Explicit axes)",
+                reason="distributed_shampoo's update reshapes (_new_statistics, "
+                "to the merged shape) and contracts (_block_grams' einsum) leaves "
+                "sharded in their type without out_sharding: ShardingTypeError "
+                "(issue 18: Shampoo fails on meshes with Explicit axes)",
             )
         cases.append(pytest.param(name, marks=marks, id=name))
     return cases
