@@ -1,15 +1,18 @@
 """precond's PyTorch optimizers.
 
 ``Kron`` (PSGD Kron, a ``torch.optim.Optimizer``) with its update-probability
-schedule, and the strategies that spread its work over ``torch.distributed`` ranks.
+schedule, ``Pro`` (the PSGD 'pro' recipe of ``precond.jax.pro``), and the
+strategies that spread Kron's work over ``torch.distributed`` ranks.
 K-FAC (KAISA) lives in :mod:`precond.torch.kfac`.
 """
 
 from precond.torch.kron import Kron, precond_update_prob_schedule
+from precond.torch.pro import Pro
 from precond.torch.strategies import Replicated, ShardedPreconditioning, Strategy
 
 __all__ = [
     "Kron",
+    "Pro",
     "Replicated",
     "ShardedPreconditioning",
     "Strategy",
