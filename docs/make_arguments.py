@@ -128,6 +128,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
     ]
     try:
         import precond.torch.kron as torch_kron
+        import precond.torch.pro as torch_pro
         from precond.torch.kfac import preconditioner as kfac
     except ModuleNotFoundError:  # no torch: the JAX tables only
         return entries
@@ -137,6 +138,12 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
             "precond.torch.Kron",
             torch_kron.Kron,
             dict(torch_kron.GROUP_ARGUMENTS + torch_kron.OPTIMIZER_ARGUMENTS),
+            ("params",),
+        ),
+        (
+            "precond.torch.Pro",
+            torch_pro.Pro,
+            dict(torch_pro.GROUP_ARGUMENTS + torch_pro.OPTIMIZER_ARGUMENTS),
             ("params",),
         ),
         ("precond.torch.kfac.KFAC", kfac.KFAC, dict(kfac._ARGUMENT_CHECKS), ("model",)),
