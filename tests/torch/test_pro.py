@@ -17,6 +17,7 @@ vmapped matmuls, summation order), hence tolerances of 1e-5 relative.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import re
@@ -398,6 +399,27 @@ def test_unusable_gradient_changes_nothing(case, bad):
     assert all(torch.equal(p, q) for p, q in zip(*runs, strict=True))
 
 
+def test_an_overflowing_fit_keeps_that_blocks_factors():
+    """Two equal parameters fitted in one stack; one's factors are planted at
+    1e18·I, so its fit overflows float32: its factors and Lipschitz estimates
+    stay as planted, the other's are fitted."""
+    params = [torch.nn.Parameter(torch.ones(4, 3)) for _ in range(2)]
+    optimizer = Pro(params, lr=0.1)
+    _run(optimizer, params, [(torch.ones(4, 3), torch.ones(4, 3))])
+    planted = optimizer.state[params[0]]
+    for Q in planted["factors"][0]:
+        Q.copy_(1e18 * torch.eye(Q.shape[-1]))
+    kept = [t.clone() for t in planted["factors"][0] + planted["lipschitz"][0]]
+    other = [Q.clone() for Q in optimizer.state[params[1]]["factors"][0]]
+    grads = _gradients((4, 3), 2, seed=3)
+    _run(optimizer, params, [tuple(grads)])
+    state = optimizer.state[params[0]]
+    assert _same(state["factors"][0] + state["lipschitz"][0], kept)
+    fitted = optimizer.state[params[1]]["factors"][0]
+    assert not any(torch.equal(a, b) for a, b in zip(fitted, other, strict=True))
+    assert all(torch.isfinite(Q).all() for Q in fitted)
+
+
 BAD_ARGUMENTS = [
     ("lr", -1.0, ValueError, ">= 0.0"),
     ("lr_style", "sgd", ValueError, "one of 'adam', None"),
@@ -437,6 +459,20 @@ def test_bad_arguments_raise_the_standard_message(name, value, error, rule):
 
 
 # ------------------------------------------------------------------ groups, lr
+
+
+def test_a_deep_copy_steps_like_the_original():
+    """copy.deepcopy (the seed included) of an optimizer with a non-default
+    seed, midway: both continue with the same steps."""
+    grads = _gradients((6, 5), 4)
+    p = torch.nn.Parameter(torch.ones(6, 5))
+    optimizer = Pro([p], lr=0.1, seed=7)
+    _run(optimizer, [p], [(g,) for g in grads[:2]])
+    q, twin = copy.deepcopy((p, optimizer))  # twin's parameter is q
+    _run(optimizer, [p], [(g,) for g in grads[2:]])
+    _run(twin, [q], [(g,) for g in grads[2:]])
+    assert twin.seed == 7
+    assert torch.equal(p, q)
 
 
 def test_lr_tensor_scheduler_and_param_groups():

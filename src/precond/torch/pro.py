@@ -198,6 +198,13 @@ class Pro(torch.optim.Optimizer):
         self.seed = seed
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state plus the public attributes (the seed), so that
+        ``copy.deepcopy`` and ``pickle`` give an optimizer that steps like this
+        one."""
+        public = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {**public, **super().__getstate__()}
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
