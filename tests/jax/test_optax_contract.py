@@ -82,8 +82,8 @@ def _kron(style: str) -> Row:
     return Row(pj.kron, kwargs, pj.KRON_STATIC_ARGS)
 
 
-# name ↦ row: every public JAX optimizer of precond.jax. A new optimizer (e.g.
-# ``pro``) is one more entry here; every property below then runs over it.
+# name ↦ row: every public JAX optimizer of precond.jax. A new optimizer is one
+# more entry here; every property below then runs over it.
 OPTIMIZERS: dict[str, Row] = {
     "kron-EQ": _kron("EQ"),
     "kron-QUAD": _kron("QUAD"),
@@ -91,6 +91,12 @@ OPTIMIZERS: dict[str, Row] = {
     "xmat": Row(pj.xmat, dict(learning_rate=0.05)),
     "lra": Row(pj.low_rank_approximation, dict(learning_rate=0.05), pj.LRA_STATIC_ARGS),
     "affine": Row(pj.affine, dict(learning_rate=0.05), pj.AFFINE_STATIC_ARGS),
+    "pro": Row(
+        pj.pro,
+        dict(learning_rate=0.05, block_size=4, preconditioner_update_probability=0.5),
+        pj.PRO_STATIC_ARGS,
+        complex_params=False,
+    ),
     "shampoo": Row(
         pj.distributed_shampoo,
         dict(learning_rate=0.05, block_size=4, start_preconditioning_step=2),

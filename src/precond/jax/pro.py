@@ -59,8 +59,14 @@ from precond._common.validation import (
 )
 from precond.jax import _kron_math as km
 from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
-from precond.jax._guards import all_finite, check_parameter_dtypes, gradients_are_usable
+from precond.jax._guards import (
+    all_finite,
+    check_parameter_dtypes,
+    gradients_are_usable,
+    is_params_placeholder,
+)
 from precond.jax._kron_sharding import is_box
+from precond.jax._psgd_transform import with_auto_axes
 
 # Each key stream's seed (distributed-kron 2.0.0's): blocks of matrices with two
 # dense sides share one stream; every other parameter has its own.
@@ -351,6 +357,17 @@ def scale_by_pro(
         return _plan(shapes, flags, max_size_dense, block_size, pipeline_axis_size)
 
     def init_fn(params):
+        if is_params_placeholder(params):
+            # optax.tree.map_params: the momentum is the one tree like the params;
+            # one leaf stands for all the factor stacks (a prefix of any).
+            empty = jnp.zeros([], jnp.int32)
+            return ProState(
+                count=empty,
+                mu=params if keep_momentum else None,
+                factors=empty,
+                lipschitz=empty,
+                update_counter=empty,
+            )
         leaves, treedef, _ = _unboxed(params)
         check_parameter_dtypes(treedef.unflatten(leaves), "PSGD pro", complex_ok=False)
         flags = _scanned_flags(scanned_layers, treedef.unflatten(leaves), treedef)
@@ -434,11 +451,8 @@ def scale_by_pro(
         new_lipschitz = tuple(constrain(L, pipeline_spec) for L in new_lipschitz)
         return new_factors, new_lipschitz, PG
 
-    def update_fn(updates, state: ProState, params=None, **extra_args):
-        del params, extra_args
-        grads, treedef, boxes = _unboxed(updates)
-        flags = _scanned_flags(scanned_layers, treedef.unflatten(grads), treedef)
-        plan = plan_for(grads, flags)
+    def step(grads, state, plan, treedef):
+        """The update of the unboxed gradient leaves: (updates, new state)."""
         finite = gradients_are_usable(grads)
         count = optax.safe_int32_increment(state.count)
         if keep_momentum:
@@ -525,6 +539,21 @@ def scale_by_pro(
             factors=keep(tuple(new_factors), state.factors),
             lipschitz=keep(tuple(new_lipschitz), state.lipschitz),
             update_counter=jnp.where(finite, update_counter, state.update_counter),
+        )
+        return [u.astype(g.dtype) for u, g in zip(out, grads, strict=True)], new_state
+
+    def update_fn(updates, state: ProState, params=None, **extra_args):
+        del params, extra_args
+        grads, treedef, boxes = _unboxed(updates)
+        flags = _scanned_flags(scanned_layers, treedef.unflatten(grads), treedef)
+        plan = plan_for(grads, flags)
+        # On a mesh with Explicit axes the step runs under auto_axes (its
+        # reshapes of sharded leaves need it), its outputs sharded as its inputs.
+        out, new_state = with_auto_axes(
+            lambda grads, state: step(grads, state, plan, treedef),
+            (grads, state),
+            grads,
+            state,
         )
         updates = treedef.unflatten(out)
         updates = constrain(updates, params_partition_specs)
