@@ -77,6 +77,12 @@ def _regions_of(shape: tuple[int, ...], max_size_dense: int, block_size: int):
     return sorted(found, key=lambda item: item[0].offset)
 
 
+@functools.lru_cache(maxsize=64)
+def _bucket_plan(shapes: tuple, max_size_dense: int, block_size: int):
+    """The layout of a bucket's parameters (planned once per set of shapes)."""
+    return _plan(list(shapes), [False] * len(shapes), max_size_dense, block_size, 1)
+
+
 def _cut(x: torch.Tensor, region: _Region) -> torch.Tensor:
     """The region's blocks of a merged tensor x (no batch axis), as
     (blocks, *block shape)."""
@@ -309,12 +315,10 @@ class Pro(torch.optim.Optimizer):
             if group["normalize_grads"]:
                 m_hat = m_hat / (torch.linalg.vector_norm(m_hat) + 1e-6)
             momenta.append(m_hat)
-        plan = _plan(
-            [tuple(p.shape) for _, p, _ in bucket],
-            [False] * len(bucket),
+        plan = _bucket_plan(
+            tuple(tuple(p.shape) for _, p, _ in bucket),
             group["max_size_dense"],
             group["block_size"],
-            1,
         )
         views = [
             m.reshape(merged) for m, merged in zip(momenta, plan.merged, strict=True)
