@@ -35,8 +35,7 @@ check them), each against an oracle:
 
 Tests share compiled programs: per row, one jitted update and its five-step
 trajectory (:func:`_trajectory`), one scan (:func:`_scanned`) and one wrapped
-step (:func:`_wrapped_step`). Known failures are marked xfail(strict=True) with
-their reason.
+step (:func:`_wrapped_step`).
 """
 
 from __future__ import annotations
@@ -488,23 +487,7 @@ def test_state_survives_flatten_and_device_get(name):
 # ------------------------------------------------------------------ explicit meshes
 
 
-def _explicit_mesh_cases():
-    cases = []
-    for name in NAMES:
-        marks = ()
-        if name == "shampoo":
-            marks = pytest.mark.xfail(
-                strict=True,
-                reason="distributed_shampoo's update reshapes (_new_statistics, "
-                "to the merged shape) and contracts (_block_grams' einsum) leaves "
-                "sharded in their type without out_sharding: ShardingTypeError "
-                "(issue 18: Shampoo fails on meshes with Explicit axes)",
-            )
-        cases.append(pytest.param(name, marks=marks, id=name))
-    return cases
-
-
-@pytest.mark.parametrize("name", _explicit_mesh_cases())
+@pytest.mark.parametrize("name", NAMES)
 def test_explicit_mesh_keeps_state_types_and_updates(name):
     """On a mesh with Explicit axes (sharding in types), as optax's sharding
     tests: eager and jitted init give the same types (shape, dtype, sharding),

@@ -50,6 +50,8 @@ from precond.jax._guards import (
     check_state_matches,
     gradients_are_usable,
 )
+from precond.jax._kron_sharding import explicit_specs
+from precond.jax._psgd_transform import with_auto_axes
 from precond.jax._shampoo_math import (
     QuantizedArray,
     dequantize,
@@ -613,6 +615,17 @@ def _store_momentum(x: jax.Array, like):
 
 def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedArray)
+
+
+def _sharded_in_types(tree) -> bool:
+    """Some leaf of ``tree`` is split over a mesh with Explicit axes."""
+    specs = explicit_specs(tree)
+    return specs is not None and any(
+        any(axis is not None for axis in spec)
+        for spec in jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
+    )
 
 
 def _explicit_axes(spec) -> bool:
@@ -1284,7 +1297,18 @@ def distributed_shampoo(
 
     def update(updates, state, params=None, **extra_args):
         del extra_args  # optax's GradientTransformationExtraArgs contract
-        return _update(updates, state, params, config)
+        if not _sharded_in_types(updates):
+            return _update(updates, state, params, config)
+        # Gradients split over a mesh with Explicit axes (shardings in their
+        # types): the step runs under auto_axes, which its reshapes and grams
+        # need, and its outputs are sharded as its inputs.
+        return with_auto_axes(
+            lambda u, s, p: _update(u, s, p, config),
+            (updates, state),
+            updates,
+            state,
+            params,
+        )
 
     init = functools.partial(_init, config=config)
     if config.shard_optimizer_states and config.sharded_init_fns:
