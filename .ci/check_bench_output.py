@@ -40,7 +40,7 @@ from pathlib import Path
 
 # The JAX workloads and the optimizers a bare `precond bench` runs in JAX.
 WORKLOADS = ("digits-mlp", "digits-cnn", "char-lm")
-OPTIMIZERS = ("kron", "shampoo", "adamw", "muon", "sgd")
+OPTIMIZERS = ("kron", "pro", "shampoo", "adamw", "muon", "sgd")
 FRAMEWORKS = ("jax",)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

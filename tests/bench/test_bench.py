@@ -690,12 +690,14 @@ def test_lr_sets_muons_adamw_part_and_the_sweep_scales_muons_rate_only():
     assert adamw[0].spec is OPTIMIZERS["adamw"]
 
 
-def test_muon_is_in_the_default_suite_of_both_frameworks():
+def test_muon_and_pro_are_in_the_default_suite():
     for frameworks in (["jax"], ["torch"], ["jax", "torch"]):
         names = [s.name for s in cli._resolve_optimizers(None, frameworks)]
         assert "muon" in names, frameworks
         assert "adamw" in names, frameworks
-    assert set(OPTIMIZERS["muon"].frameworks()) == {"jax", "torch"}
+        assert "pro" in names, frameworks
+    for name in ("muon", "pro"):
+        assert set(OPTIMIZERS[name].frameworks()) == {"jax", "torch"}, name
 
 
 # ------------------------------------------------------------------- full suites
@@ -715,7 +717,7 @@ def _suite(tmp_path, capsys, workload: str, framework: str):
             "--optimizers",
             ",".join(
                 n
-                for n in ("kron", "shampoo", "adamw", "muon", "sgd", "kfac")
+                for n in ("kron", "pro", "shampoo", "adamw", "muon", "sgd", "kfac")
                 if framework in OPTIMIZERS[n].frameworks() and (n != "kfac" or HAS_KFAC)
             ),
             "--batch-size",
@@ -767,7 +769,7 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     expected = {
         (f, name)
         for f in frameworks
-        for name in ("kron", "shampoo", "adamw", "muon", "sgd", "kfac")
+        for name in ("kron", "pro", "shampoo", "adamw", "muon", "sgd", "kfac")
         if f in OPTIMIZERS[name].frameworks() and (name != "kfac" or HAS_KFAC)
     }
     runs = {(r["framework"], r["optimizer"]): r for r in document["runs"]}

@@ -206,6 +206,13 @@ def _make_kron(learning_rate, weight_decay: float):
     )
 
 
+def _make_pro(learning_rate, weight_decay: float):
+    from precond.jax import pro
+
+    # distributed-kron 2.0's defaults but the bench's decay (pro's own is 0.1).
+    return pro(learning_rate=learning_rate, weight_decay=weight_decay)
+
+
 def make_shampoo(learning_rate, weight_decay: float, **kwargs):
     """``precond.jax.distributed_shampoo`` with decoupled weight decay.
 
@@ -346,6 +353,12 @@ def _make_torch_kron(model, lr: float, weight_decay: float) -> TorchOptimizer:
     )
 
 
+def _make_torch_pro(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    from precond.torch import Pro
+
+    return TorchOptimizer(Pro(model.parameters(), lr=lr, weight_decay=weight_decay))
+
+
 def _make_torch_adamw(model, lr: float, weight_decay: float) -> TorchOptimizer:
     import torch
 
@@ -441,6 +454,16 @@ LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
         "jax": {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 9e-3},
         "torch": {"digits-mlp": 9e-4, "digits-cnn": 9e-4, "char-lm": 9e-3},
     },
+    # pro (2026-11-25): the lowest final validation loss of
+    #   precond bench --frameworks F --optimizers pro --lr-sweep 0.5,1,2[,4]
+    # from AdamW's rates (JAX's char-lm extended with --lr pro=0.02 --lr-sweep
+    # 1,2,4: 0.02 2.066, 0.04 1.904, 0.08 2.076; PyTorch's 0.04 1.914, 0.08 2.015).
+    # The best is 0.5-4 times AdamW's rate: no one multiple is within 2x of it on
+    # every workload (BENCHMARKS.md, "Learning rates").
+    "pro": {
+        "jax": {"digits-mlp": 3e-3, "digits-cnn": 6e-3, "char-lm": 0.04},
+        "torch": {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 0.04},
+    },
     "shampoo": {"jax": {"digits-mlp": 3e-4, "digits-cnn": 1e-4, "char-lm": 1e-3}},
     "kfac": {"torch": {"digits-mlp": 1e-3, "digits-cnn": 1e-3, "char-lm": 0.09}},
     "adamw": {
@@ -484,6 +507,14 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_kron,
             make_torch=_make_torch_kron,
             learning_rates=LEARNING_RATES["kron"],
+        ),
+        OptimizerSpec(
+            name="pro",
+            description="PSGD pro (precond.jax.pro / precond.torch.Pro: "
+            "distributed-kron 2.0's generation-2 recipe, its defaults)",
+            make=_make_pro,
+            make_torch=_make_torch_pro,
+            learning_rates=LEARNING_RATES["pro"],
         ),
         OptimizerSpec(
             name="shampoo",
