@@ -23,7 +23,7 @@ Optimizers (``--optimizers``):
   (``preconditioner_update_probability=0.5``);
 - ``dk2-pro``: distributed-kron 2.0.0's ``pro`` (the test oracle, loaded from
   ``.oracles/`` as tests/oracles.py does; see the README's test command), at
-  ``pro``'s rate.
+  ``pro``'s rate, given the params as a flat dict (it fails on the model's lists).
 
 Timings are only comparable within one run on a quiet machine: the script runs
 everything one after another, with the bench's threads (``--threads``).
@@ -63,6 +63,28 @@ def _parse(argv):
     return parser.parse_args(argv)
 
 
+def _dict_keyed(optimizer):
+    """``optimizer`` on the params' leaves as a flat dict: distributed-kron 2.0.0's
+    ``pro`` fails on trees with list or tuple nodes (its ``init`` reads a
+    ``.key`` from every path entry), as the char-lm model's layers are."""
+    import jax
+    import optax
+
+    def keyed(tree):
+        return {f"{i:05d}": x for i, x in enumerate(jax.tree.leaves(tree))}
+
+    def init(params):
+        return optimizer.init(keyed(params))
+
+    def update(updates, state, params=None):
+        treedef = jax.tree.structure(updates)
+        keyed_params = None if params is None else keyed(params)
+        out, state = optimizer.update(keyed(updates), state, keyed_params)
+        return treedef.unflatten([out[k] for k in sorted(out)]), state
+
+    return optax.GradientTransformation(init, update)
+
+
 def _specs(names):
     """The optimizer specs by name: the bench's, and this script's variants."""
     import precond.jax as pj
@@ -83,7 +105,7 @@ def _specs(names):
         module = oracles.distributed_kron_pro()
 
         def make(learning_rate, weight_decay):
-            return module.pro(learning_rate, weight_decay=weight_decay)
+            return _dict_keyed(module.pro(learning_rate, weight_decay=weight_decay))
 
         return dataclasses.replace(
             OPTIMIZERS["pro"],
