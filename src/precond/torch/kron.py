@@ -161,6 +161,44 @@ def _working_view(g: torch.Tensor) -> torch.Tensor:
     return (g if g.dtype == torch.float64 else g.to(torch.float32)).reshape(-1)
 
 
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """``closure()`` with gradients enabled (an optimizer's ``step(closure)``), or
+    None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def gradient_entries(
+    param_groups: list[dict], check_gradient: Callable[[torch.Tensor], None]
+) -> list[tuple[dict, torch.Tensor, int]]:
+    """(group, parameter, index among all the parameters) of each non-empty
+    parameter that has a gradient, in order; ``check_gradient(p)`` refuses the
+    gradients the optimizer cannot take."""
+    entries, index = [], 0
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None and p.numel() > 0:
+                check_gradient(p)
+                entries.append((group, p, index))
+            index += 1
+    return entries
+
+
+def skipped_for_unusable_gradients(
+    entries: list[tuple[dict, torch.Tensor, int]],
+) -> bool:
+    """True when some gradient of ``entries`` is unusable
+    (:func:`gradients_are_usable`): the step is skipped, its state unchanged, and
+    only the decoupled weight decay is applied."""
+    if gradients_are_usable([p.grad for _, p, _ in entries]):
+        return False
+    for group, p, _ in entries:
+        p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+    return True
+
+
 def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
     """True when every gradient's squared norm Σ|g|² is finite in its working
     precision (float32, or float64 for float64/complex128 gradients): False for
@@ -399,24 +437,9 @@ class Kron(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        entries = []  # (group, parameter, global index), gradient present
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.numel() > 0:
-                    _check_gradient(p)
-                    entries.append((group, p, index))
-                index += 1
-        if not entries:
-            return loss
-        if not gradients_are_usable([p.grad for _, p, _ in entries]):
-            # Skipped: no state changes; decoupled weight decay still applies.
-            for group, p, _ in entries:
-                p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+        loss = closure_loss(closure)
+        entries = gradient_entries(self.param_groups, _check_gradient)
+        if not entries or skipped_for_unusable_gradients(entries):
             return loss
         draws = None if self.seed is not None else self._global_draws(entries)
         owners = self.strategy.assign(

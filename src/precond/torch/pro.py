@@ -35,10 +35,18 @@ from precond.torch.kron import (
     _check_lr,
     _generator,
     _scalar,
-    gradients_are_usable,
+    closure_loss,
+    gradient_entries,
+    skipped_for_unusable_gradients,
 )
 
 __all__ = ["Pro"]
+
+
+def _check_gradient(p: torch.Tensor) -> None:
+    if p.grad.is_sparse:
+        raise RuntimeError("Pro does not support sparse gradients")
+
 
 # Keys of self.state[p]. FACTORS and LIPSCHITZ hold, per block region of the
 # parameter (ordered by the region's offset), a list with one tensor per side:
@@ -230,25 +238,9 @@ class Pro(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        entries = []  # (group, parameter, global index), gradient present
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.numel() > 0:
-                    if p.grad.is_sparse:
-                        raise RuntimeError("Pro does not support sparse gradients")
-                    entries.append((group, p, index))
-                index += 1
-        if not entries:
-            return loss
-        if not gradients_are_usable([p.grad for _, p, _ in entries]):
-            # Skipped: no state changes; decoupled weight decay still applies.
-            for group, p, _ in entries:
-                p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
+        loss = closure_loss(closure)
+        entries = gradient_entries(self.param_groups, _check_gradient)
+        if not entries or skipped_for_unusable_gradients(entries):
             return loss
         buckets: dict[tuple, list] = defaultdict(list)
         for group, p, i in entries:
