@@ -194,9 +194,9 @@ SHAPES = {"a": (6, 5), "b": (3, 4, 2), "c": (7,), "d": (), "e": (1, 9)}
 STEPS = 20
 
 
-def _trajectory(optimizer, shapes=SHAPES, steps=STEPS, seed=0):
-    """Parameter displacements W_t − W_0 after each of ``steps`` updates, fed
-    the same gradients (independent of W) whatever the optimizer."""
+def random_params_and_grads(shapes, steps, seed):
+    """Standard normal float32 params and ``steps`` gradients like them (the
+    gradients independent of the params, so every optimizer is fed the same)."""
     rng = np.random.default_rng(seed)
     params = {
         k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()
@@ -205,6 +205,13 @@ def _trajectory(optimizer, shapes=SHAPES, steps=STEPS, seed=0):
         {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
         for _ in range(steps)
     ]
+    return params, grads
+
+
+def _trajectory(optimizer, shapes=SHAPES, steps=STEPS, seed=0):
+    """Parameter displacements W_t − W_0 after each of ``steps`` updates, fed
+    the same gradients (independent of W) whatever the optimizer."""
+    params, grads = random_params_and_grads(shapes, steps, seed)
     start = params
     state = optimizer.init(params)
     update = jax.jit(optimizer.update)

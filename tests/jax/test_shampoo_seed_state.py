@@ -26,6 +26,7 @@ from tests.jax.test_parity_shampoo import (
     NEWER,
     _relative_difference,
     patched_optax_shampoo,
+    random_params_and_grads,
 )
 
 # Blocked and unblocked statistics of four sizes, a rank-3 parameter (its int8
@@ -44,15 +45,7 @@ CONTINUED = 10
 
 
 def _data(shapes=SHAPES, steps=WARMUP + CONTINUED, seed=5):
-    rng = np.random.default_rng(seed)
-    params = {
-        k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()
-    }
-    grads = [
-        {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
-        for _ in range(steps)
-    ]
-    return params, grads
+    return random_params_and_grads(shapes, steps, seed)
 
 
 def _run(update, state, params, grads):
