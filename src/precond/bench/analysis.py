@@ -160,9 +160,10 @@ class Summary:
 
 
 def _all_or_none(values: list[float | None]) -> float | None:
-    if not values or any(v is None for v in values):
+    known = [v for v in values if v is not None]
+    if not values or len(known) < len(values):
         return None
-    return statistics.fmean(values)
+    return statistics.fmean(known)
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:

@@ -95,9 +95,9 @@ def load_digits_split(split_seed: int) -> Split:
     import numpy as np
     from sklearn.datasets import load_digits
 
-    data = load_digits()
-    x = np.asarray(data.data, dtype=np.float64)
-    y = np.asarray(data.target, dtype=np.int32)
+    pixels, labels = load_digits(return_X_y=True)
+    x = np.asarray(pixels, dtype=np.float64)
+    y = np.asarray(labels, dtype=np.int32)
     order = np.random.default_rng(split_seed).permutation(len(x))
     n_test = round(DIGITS_TEST_FRACTION * len(x))
     test, train = order[:n_test], order[n_test:]

@@ -70,8 +70,8 @@ class OptimizerSpec:
 
     name: str
     description: str
-    make: Callable[[Any, float], Any] | None = None
-    make_torch: Callable[[Any, float, float], TorchOptimizer] | None = None
+    make: Callable[..., Any] | None = None
+    make_torch: Callable[..., TorchOptimizer] | None = None
     learning_rates: dict[str, dict[str, float]] = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     default: bool = True
@@ -119,9 +119,14 @@ class OptimizerSpec:
         """This optimizer in ``framework`` for ``workload``: an optax
         transformation (JAX), or a :class:`TorchOptimizer` for ``model``."""
         arguments = self.factory_arguments(framework, workload)
-        if framework == "jax":
+        if framework == "jax" and self.make is not None:
             return self.make(learning_rate, weight_decay, **arguments)
-        return self.make_torch(model, learning_rate, weight_decay, **arguments)
+        if framework == "torch" and self.make_torch is not None:
+            return self.make_torch(model, learning_rate, weight_decay, **arguments)
+        raise ValueError(
+            f"Invalid framework={framework!r}: {self.name} runs in "
+            + (", ".join(self.frameworks()) or "no framework")
+        )
 
 
 class TorchOptimizer:

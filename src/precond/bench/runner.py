@@ -175,8 +175,19 @@ class LoopRecord:
     skipped_steps: int
 
 
+def _progress(config: RunConfig, k: int, elapsed: float, last: float) -> float | None:
+    """The budget's fraction at the middle of step k + 1 (see
+    :func:`training_loop`), or None once the budget is used up."""
+    if config.steps is not None:
+        return (k + 0.5) / config.steps if k < config.steps else None
+    budget = config.time_budget_s
+    if budget is None or elapsed >= budget:
+        return None
+    return (elapsed + 0.5 * last) / budget
+
+
 def training_loop(
-    step: Callable[[Any, float], float],
+    step: Callable[[Any, float], tuple[float, bool]],
     evaluate: Callable[[], tuple[float, float]],
     config: RunConfig,
     n_train: int,
@@ -222,15 +233,9 @@ def training_loop(
     elapsed, k, diverged, skipped = 0.0, 0, False, 0
     since_eval: list[float] = []
     while True:
-        if config.steps is not None:
-            if k == config.steps:
-                break
-            progress = (k + 0.5) / config.steps
-        else:
-            if elapsed >= config.time_budget_s:
-                break
-            last = seconds[-1] if seconds else 0.0
-            progress = (elapsed + 0.5 * last) / config.time_budget_s
+        progress = _progress(config, k, elapsed, seconds[-1] if seconds else 0.0)
+        if progress is None:
+            break
         idx = next_batch()
         start = time.perf_counter()
         loss, refused = step(idx, lr_multiplier(progress, config.schedule))
@@ -360,9 +365,8 @@ def run_jax(
     from jax.sharding import PartitionSpec as P
 
     split = workload.load_split(workload.split_seed)
-    batch_sharding = None
+    batch_sharding = replicated = None
     context = contextlib.nullcontext()
-    put = jax.device_put
     if config.devices > 1:
         mesh = jax.make_mesh(
             (config.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
@@ -371,8 +375,9 @@ def run_jax(
         replicated = NamedSharding(mesh, P())
         context = jax.set_mesh(mesh)
 
-        def put(tree, sharding=replicated):
-            return jax.device_put(tree, sharding)
+    def put(tree, sharding=None):
+        """``tree`` on ``sharding`` (default: replicated over the mesh, if any)."""
+        return jax.device_put(tree, sharding or replicated)
 
     with context:
         x_train, y_train, x_test, y_test = put(
@@ -382,10 +387,7 @@ def run_jax(
         params = put(workload.init_params(config.seed))
         opt_state = optimizer.init(params)
 
-        def place(idx):
-            return put(idx) if batch_sharding is None else put(idx, batch_sharding)
-
-        first = place(jnp.zeros((config.batch_size,), jnp.int32))
+        first = put(jnp.zeros((config.batch_size,), jnp.int32), batch_sharding)
         one = jnp.float32(1.0)
         start = time.perf_counter()
         train_step = (
@@ -400,13 +402,13 @@ def run_jax(
 
         state = {"params": params, "opt_state": opt_state}
 
-        def step(idx, scale: float) -> float:
+        def step(idx, scale: float) -> tuple[float, bool]:
             out = train_step(
                 state["params"],
                 state["opt_state"],
                 x_train,
                 y_train,
-                place(idx),
+                put(idx, batch_sharding),
                 jnp.float32(scale),
             )
             state["params"], state["opt_state"], loss, refused = jax.block_until_ready(

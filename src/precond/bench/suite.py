@@ -124,12 +124,12 @@ def run_job(job: Job, weight_decay: float, progress: bool) -> RunResult:
         from precond.bench.torch_runner import run_torch as run
 
     config = job.config
-    by_time = config.time_budget_s is not None
-    total = round(config.time_budget_s, 1) if by_time else config.steps
+    budget_s = config.time_budget_s
+    total = config.steps if budget_s is None else round(budget_s, 1)
     with tqdm(
         total=total,
         desc=f"{job.label} (compiling)" if job.framework == "jax" else job.label,
-        unit="s" if by_time else "step",
+        unit="step" if budget_s is None else "s",
         file=sys.stderr,
         dynamic_ncols=True,
         disable=not progress,
@@ -143,8 +143,8 @@ def run_job(job: Job, weight_decay: float, progress: bool) -> RunResult:
         def on_step(step: int, loss: float, elapsed: float) -> None:
             if step % 10 == 0 or step == config.steps:
                 bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
-            if by_time:
-                bar.update(round(min(elapsed, total), 1) - bar.n)
+            if budget_s is not None:
+                bar.update(round(min(elapsed, budget_s), 1) - bar.n)
             else:
                 bar.update(1)
 

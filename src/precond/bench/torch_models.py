@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from precond.bench.jax_models import (
 )
 
 
-def _init_linear(layer: nn.Module, std: float) -> None:
+def _init_linear(layer: nn.Linear | nn.Conv2d, std: float) -> None:
     nn.init.normal_(layer.weight, std=std)
     if layer.bias is not None:
         nn.init.zeros_(layer.bias)
@@ -36,15 +37,14 @@ class MLP(nn.Module):
 
     def __init__(self, sizes: tuple[int, ...] = DIGITS_LAYER_SIZES):
         super().__init__()
-        self.layers = nn.ModuleList(
-            nn.Linear(m, n) for m, n in itertools.pairwise(sizes)
-        )
-        for layer, m in zip(self.layers, sizes[:-1], strict=True):
+        linears = [nn.Linear(m, n) for m, n in itertools.pairwise(sizes)]
+        for layer, m in zip(linears, sizes[:-1], strict=True):
             _init_linear(layer, math.sqrt(2.0 / m))
+        self.layers = nn.ModuleList(linears)
 
-    def hidden_matrices(self) -> list[nn.Parameter]:
+    def hidden_matrices(self) -> list[torch.Tensor]:
         """The weights Muon trains: every layer's but the output layer's."""
-        return [layer.weight for layer in self.layers[:-1]]
+        return [cast(nn.Linear, layer).weight for layer in self.layers[:-1]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *hidden, last = self.layers
@@ -69,7 +69,7 @@ class CNN(nn.Module):
         _init_linear(self.dense_1, math.sqrt(2 / (16 * c2)))
         _init_linear(self.dense_2, math.sqrt(2 / DIGITS_CNN_HIDDEN))
 
-    def hidden_matrices(self) -> list[nn.Parameter]:
+    def hidden_matrices(self) -> list[torch.Tensor]:
         """The weights Muon trains: ``dense_1``'s (the kernels are 4-D,
         ``dense_2`` is the output layer)."""
         return [self.dense_1.weight]
@@ -126,7 +126,7 @@ class CharLM(nn.Module):
         nn.init.normal_(self.embedding.weight, std=1.0)
         nn.init.normal_(self.head.weight, std=0.02)
 
-    def hidden_matrices(self) -> list[nn.Parameter]:
+    def hidden_matrices(self) -> list[torch.Tensor]:
         """The weights Muon trains: the blocks' attention and MLP matrices (not
         the embeddings, the head, the norms or the biases)."""
         return [

@@ -55,7 +55,7 @@ def run_torch(
     if on_compiled is not None:
         on_compiled(0.0)
 
-    def step(idx, scale: float) -> float:
+    def step(idx, scale: float) -> tuple[float, bool]:
         rows = torch.from_numpy(idx).long()
         optimizer.set_lr(learning_rate * scale)
         optimizer.zero_grad()
@@ -65,7 +65,7 @@ def run_torch(
             [p.grad for p in model.parameters() if p.grad is not None]
         )
         optimizer.step()
-        return loss.item(), refused
+        return float(loss.item()), refused
 
     @torch.no_grad()
     def evaluate() -> tuple[float, float]:
