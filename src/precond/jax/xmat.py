@@ -223,7 +223,7 @@ def xmat(
     (:func:`precond.jax.hessian_helper` returns it so).
 
     Example:
-        >>> optimizer = xmat(learning_rate=0.01)  # doctest: +SKIP
+        >>> optimizer = xmat(learning_rate=0.01)
     """
     core = scale_by_xmat(
         preconditioner_update_probability=preconditioner_update_probability,
