@@ -389,7 +389,7 @@ def low_rank_approximation(
     (:func:`precond.jax.hessian_helper` returns it so).
 
     Example:
-        >>> optimizer = low_rank_approximation(learning_rate=0.01)  # doctest: +SKIP
+        >>> optimizer = low_rank_approximation(learning_rate=0.01)
     """
     core = scale_by_lra(
         preconditioner_update_probability=preconditioner_update_probability,
