@@ -599,7 +599,7 @@ def pro(
     ``lr_style='adam'`` use AdamW's learning rate.
 
     Example:
-        >>> optimizer = pro(learning_rate=1e-3, weight_decay=0.1)  # doctest: +SKIP
+        >>> optimizer = pro(learning_rate=1e-3, weight_decay=0.1)
     """
     for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
         ALIAS_ARGUMENT_CHECKS[name](name, locals()[name])
