@@ -10,7 +10,6 @@ call fits or applies all of their factors.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -18,12 +17,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
-from precond._common.factor_plan import (
-    MEMORY_SAVE_MODES,
-    merge_dims,
-    plan_diagonal_axes,
-)
+from precond._common.factor_plan import MEMORY_SAVE_MODES
 from precond._common.schedules import check_update_prob_schedule
 from precond._common.validation import (
     check_bool,
@@ -32,6 +28,38 @@ from precond._common.validation import (
     check_real,
 )
 from precond.torch import _kron_math as km
+from precond.torch._kron_state import (
+    FACTORS,
+    LIPSCHITZ,
+    MOMENTUM,
+    STEP,
+    UPDATE_COUNTER,
+    buckets,
+    cache_layout,
+    cost,
+    factor_of,
+    factor_plan,
+    gram_of,
+    initial_factors,
+    state_dict_problem,
+    state_dtypes,
+    stored,
+)
+from precond.torch._optimizer import (
+    CheckedOptimizer,
+    check_arguments,
+    check_lr,
+    closure_loss,
+    copy_to_device,
+    gradient_entries,
+    group_defaults,
+    scalar,
+    seeded_generator,
+    skipped_for_unusable_gradients,
+)
+from precond.torch._optimizer import (  # re-exported: precond.bench imports it here
+    gradients_are_usable as gradients_are_usable,
+)
 from precond.torch.strategies import Replicated, Strategy
 
 __all__ = ["Kron", "precond_update_prob_schedule"]
@@ -40,11 +68,8 @@ __all__ = ["Kron", "precond_update_prob_schedule"]
 MAX_UPDATE_RMS = 1.1
 # Probability that a preconditioner update first rebalances the factor norms.
 BALANCE_PROBABILITY = 0.01
-# Keys of self.state[p].
-STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
 # Key of kron-torch 0.1.0's param groups holding the momenta (loaded, not kept).
 KRON_TORCH_MOMENTA = "momentum_buffer"
-LIPSCHITZ = "lipschitz"  # generation-2 styles: per axis, a float32 scalar
 # Layouts of a triangular factor's state: Q with P = QᵀQ packed into one (d + 1, d)
 # array, Q and P stacked (2, d, d), or Q alone (d, d); as precond.jax.kron.
 PRECONDITIONER_CACHES = ("packed", "dense", None)
@@ -83,146 +108,18 @@ _DEFAULT_SCHEDULE = precond_update_prob_schedule()
 TORCH_MEMORY_SAVE_MODES = tuple(dict.fromkeys((*MEMORY_SAVE_MODES, "smart_one_diag")))
 
 
-def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """kron-torch 0.3.3's ``merge_dims``: a tensor of 3+ dims is preconditioned as
-    the matrix (d_1⋯d_{k−1}, d_k) or (d_1, d_2⋯d_k), whichever is less skewed
-    (the first on a tie); others keep their shape."""
-    if len(shape) <= 2:
-        return shape
-    rows_first = (math.prod(shape[:-1]), shape[-1])
-    cols_first = (shape[0], math.prod(shape[1:]))
-    if rows_first[1] - rows_first[0] <= cols_first[1] - cols_first[0]:
-        return rows_first
-    return cols_first
-
-
-def _plan(
-    shape: tuple[int, ...], group: dict[str, Any]
-) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """(preconditioned shape, diagonal per axis) of a parameter (scalars become
-    (1,)). An axis is diagonal when its size is 1 or above
-    ``max_size_triangular``, when the tensor has fewer than
-    ``min_ndim_triangular`` dims, when ``memory_save_mode`` picks it, or when it
-    is longer than ``max_skew_triangular`` times the second largest dim (1 for a
-    vector): kron-torch 0.1.0's skew rule."""
-    shape = tuple(shape) or (1,)
-    if group["merge_dims"]:
-        shape = _matrix_shape(shape)
-    mode = group["memory_save_mode"]
-    diagonal = plan_diagonal_axes(
-        shape,
-        max_size_triangular=group["max_size_triangular"],
-        min_ndim_triangular=group["min_ndim_triangular"],
-        memory_save_mode=None if mode == "smart_one_diag" else mode,
-    )
-    if mode == "smart_one_diag" and len(shape) > 1:
-        ordered = sorted(shape)
-        if ordered[-1] > ordered[-2]:  # the largest axis, if strictly largest
-            largest = shape.index(ordered[-1])
-            diagonal = tuple(d or a == largest for a, d in enumerate(diagonal))
-    second_largest = sorted(shape)[-2] if len(shape) > 1 else 1
-    skew = group["max_skew_triangular"]
-    diagonal = tuple(
-        diag or d > skew * second_largest
-        for d, diag in zip(shape, diagonal, strict=True)
-    )
-    if group["merge_small_dims"]:
-        groups = merge_dims(shape, group["target_merged_dim_size"])
-        merged = tuple(math.prod(shape[a] for a in g) for g in groups)
-        diagonal = tuple(
-            all(diagonal[a] for a in g) or size > group["max_size_triangular"]
-            for g, size in zip(groups, merged, strict=True)
-        )
-        shape = merged
-    return shape, diagonal
-
-
-def _generator(device: torch.device, *seeds: int) -> torch.Generator:
-    """A generator seeded from integers: the same draws on every rank."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(hash(seeds) % (2**63))
-    return generator
-
-
 def balance_draw(seed: int, step: int) -> float:
     """Uniform [0, 1) draw of step ``step``; the factors are balanced when it is
     below 0.01. A function of (seed, step) only: every rank draws the same. Drawn
     on the CPU, so a GPU step does not wait for it."""
-    generator = _generator(torch.device("cpu"), seed, step, -1)
+    generator = seeded_generator(torch.device("cpu"), seed, step, -1)
     return float(torch.rand((), generator=generator))
-
-
-def _working_view(g: torch.Tensor) -> torch.Tensor:
-    """``g`` flattened in its working precision (float32, or float64 for float64
-    and complex128), complex entries as (real, imaginary) pairs."""
-    if g.is_complex():
-        wide = g.dtype == torch.complex128
-        return torch.view_as_real(g if wide else g.to(torch.complex64)).reshape(-1)
-    return (g if g.dtype == torch.float64 else g.to(torch.float32)).reshape(-1)
-
-
-def closure_loss(closure: Callable[[], Any] | None) -> Any:
-    """``closure()`` with gradients enabled (an optimizer's ``step(closure)``), or
-    None without a closure."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
-def gradient_entries(
-    param_groups: list[dict], check_gradient: Callable[[torch.Tensor], None]
-) -> list[tuple[dict, torch.Tensor, int]]:
-    """(group, parameter, index among all the parameters) of each non-empty
-    parameter that has a gradient, in order; ``check_gradient(p)`` refuses the
-    gradients the optimizer cannot take."""
-    entries, index = [], 0
-    for group in param_groups:
-        for p in group["params"]:
-            if p.grad is not None and p.numel() > 0:
-                check_gradient(p)
-                entries.append((group, p, index))
-            index += 1
-    return entries
-
-
-def skipped_for_unusable_gradients(
-    entries: list[tuple[dict, torch.Tensor, int]],
-) -> bool:
-    """True when some gradient of ``entries`` is unusable
-    (:func:`gradients_are_usable`): the step is skipped, its state unchanged, and
-    only the decoupled weight decay is applied."""
-    if gradients_are_usable([p.grad for _, p, _ in entries]):
-        return False
-    for group, p, _ in entries:
-        p.mul_(1 - _scalar(group["lr"]) * group["weight_decay"])
-    return True
-
-
-def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
-    """True when every gradient's squared norm Σ|g|² is finite in its working
-    precision (float32, or float64 for float64/complex128 gradients): False for
-    NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
-    that their squares overflow, as :func:`precond.jax.kron`'s guard. One dot
-    product per gradient, one host sync per step."""
-    return bool(
-        torch.stack(
-            [torch.isfinite(torch.dot(x, x)) for x in map(_working_view, grads)]
-        ).all()
-    )
-
-
-def _complex_of(dtype: torch.dtype) -> torch.dtype:
-    """The complex dtype of at least ``dtype``'s precision (complex64 at least)."""
-    if dtype in (torch.float64, torch.complex128):
-        return torch.complex128
-    return torch.complex64
 
 
 def unit_noise(shape, seed: int, step: int, index: int, dtype, device) -> torch.Tensor:
     """V ~ N(0, I) for parameter ``index`` (its position in the optimizer) at
     ``step``: the same on every rank and however parameters are bucketed."""
-    generator = _generator(device, seed, step, index)
+    generator = seeded_generator(device, seed, step, index)
     return torch.randn(shape, generator=generator, dtype=dtype, device=device)
 
 
@@ -234,7 +131,7 @@ def _factor_update(compile_kernels: bool) -> Callable:
     return km.update_factors
 
 
-class Kron(torch.optim.Optimizer):
+class Kron(CheckedOptimizer):
     """PSGD Kron with kron-torch's arguments, defaults and behaviour.
 
     The positional arguments and their defaults are kron-torch 0.1.0's; the
@@ -381,58 +278,22 @@ class Kron(torch.optim.Optimizer):
         strategy: Strategy | None = None,
         compile_kernels: bool = False,
     ):
-        defaults = dict(
-            lr=lr,
-            b1=b1,
-            weight_decay=weight_decay,
-            preconditioner_update_probability=preconditioner_update_probability,
-            max_size_triangular=max_size_triangular,
-            max_skew_triangular=max_skew_triangular,
-            mu_dtype=mu_dtype,
-            precond_dtype=precond_dtype,
-            min_ndim_triangular=min_ndim_triangular,
-            memory_save_mode=memory_save_mode,
-            momentum_into_precond_update=momentum_into_precond_update,
-            precond_lr=precond_lr,
-            precond_init_scale=precond_init_scale,
-            merge_dims=merge_dims,
-            update_clipping=update_clipping,
-            store_debiased_momentum=store_debiased_momentum,
-            damping=damping,
-            merge_small_dims=merge_small_dims,
-            target_merged_dim_size=target_merged_dim_size,
-            preconditioner_update_style=preconditioner_update_style,
-            preconditioner_cache=preconditioner_cache,
-        )
-        for name, check in OPTIMIZER_ARGUMENTS:
-            check(name, locals()[name])
+        check_arguments(locals(), OPTIMIZER_ARGUMENTS)
+        defaults = group_defaults(locals(), GROUP_ARGUMENTS)
         self.seed = seed
         self.strategy = strategy or Replicated()
         self.compile_kernels = compile_kernels
         self._update_factors = _factor_update(compile_kernels)
         super().__init__(params, defaults)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """torch's state (defaults, state, groups) plus every public attribute
-        (the seed, the strategy, ``compile_kernels``, and any a subclass or user
-        sets), so that ``copy.deepcopy`` and ``pickle`` give an optimizer that
-        steps exactly like this one."""
-        public = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        return {**public, **super().__getstate__()}
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._update_factors = _factor_update(self.compile_kernels)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        try:
-            _check_group(self.param_groups[-1])
-            for p in self.param_groups[-1]["params"]:
-                _check_parameter(p)
-        except Exception:
-            self.param_groups.pop()
-            raise
+    def _check_param_group(self, group: dict[str, Any]) -> None:
+        check_arguments(group, GROUP_ARGUMENTS)
+        for p in group["params"]:
+            _check_parameter(p)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -444,17 +305,21 @@ class Kron(torch.optim.Optimizer):
         draws = None if self.seed is not None else self._global_draws(entries)
         owners = self.strategy.assign(
             [p for _, p, _ in entries],
-            [_cost(p.shape, group) for group, p, _ in entries],
+            [cost(p.shape, group) for group, p, _ in entries],
         )
         updates: dict[int, torch.Tensor] = {}
         rank = self.strategy.rank
         mine = [e for e, owner in zip(entries, owners, strict=True) if owner == rank]
-        for bucket in _buckets(mine, self.state).values():
+        for bucket in buckets(mine, self.state).values():
             self._step_bucket(bucket, updates, draws)
-        updates = self.strategy.share(
-            [p for _, p, _ in entries], owners, [updates.get(i) for _, _, i in entries]
-        )
-        self._apply(entries, updates)
+        with record_function("precond/kron/share_updates"):
+            updates = self.strategy.share(
+                [p for _, p, _ in entries],
+                owners,
+                [updates.get(i) for _, _, i in entries],
+            )
+        with record_function("precond/kron/apply_updates"):
+            self._apply(entries, updates)
         return loss
 
     def _apply(self, entries, updates) -> None:
@@ -465,22 +330,25 @@ class Kron(torch.optim.Optimizer):
             by_group[id(group)].append((group, p, update))
         for members in by_group.values():
             group = members[0][0]
-            lr, decay = _scalar(group["lr"]), group["weight_decay"]
+            lr, decay = scalar(group["lr"]), group["weight_decay"]
             if group["update_clipping"] == "rms":
                 for _, p, update in members:
                     p.mul_(1 - lr * decay)
                     p.add_(update.to(p.dtype), alpha=-lr)
-                continue
-            steps = [update for _, _, update in members]
-            if decay != 0:
-                steps = [u.add(p.to(u.dtype), alpha=decay) for (_, p, u) in members]
-            # kron-torch 0.1.0: a global norm of at most √(number of parameters)
-            # per group, then each entry clamped to [-1, 1].
-            torch.nn.utils.clip_grad_norm_(steps, self._parameter_count() ** 0.5)
-            for (_, p, _), u in zip(members, steps, strict=True):
-                # Complex entries: the real and imaginary parts each.
-                (torch.view_as_real(u) if u.is_complex() else u).clamp_(-1.0, 1.0)
-                p.add_(u.to(p.dtype), alpha=-lr)
+            else:
+                self._apply_norm_and_value_clipped(members, lr, decay)
+
+    def _apply_norm_and_value_clipped(self, members, lr: float, decay: float) -> None:
+        """kron-torch 0.1.0: the updates U + λθ of a group scaled to a global norm
+        of at most √(number of parameters), each entry clamped to [-1, 1]."""
+        steps = [update for _, _, update in members]
+        if decay != 0:
+            steps = [u.add(p.to(u.dtype), alpha=decay) for (_, p, u) in members]
+        torch.nn.utils.clip_grad_norm_(steps, self._parameter_count() ** 0.5)
+        for (_, p, _), u in zip(members, steps, strict=True):
+            # Complex entries: the real and imaginary parts each.
+            (torch.view_as_real(u) if u.is_complex() else u).clamp_(-1.0, 1.0)
+            p.add_(u.to(p.dtype), alpha=-lr)
 
     def _parameter_count(self) -> int:
         """Number of trainable scalars in all groups (the clipping norm's square)."""
@@ -514,7 +382,7 @@ class Kron(torch.optim.Optimizer):
             for i, p in zip(indices, group["params"], strict=True):
                 noise = balance = None
                 if update:
-                    dtype, _ = _state_dtypes(p, group)
+                    dtype, _ = state_dtypes(p, group)
                     noise = torch.randn(p.shape, dtype=dtype, device=p.device)
                     balance = p.ndim > 1 and bool(torch.rand([]) < BALANCE_PROBABILITY)
                 draws[i] = (update, noise, balance)
@@ -546,94 +414,55 @@ class Kron(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, entries in saved.items():
-            state = self.state[params[index]]
-            device = params[index].device
+            p = params[index]
             for key, value in entries.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.to(device=device, copy=True)
-                else:
-                    state[key] = [t.to(device=device, copy=True) for t in value]
+                self.state[p][key] = copy_to_device(value, p.device)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
-            if KRON_TORCH_MOMENTA in group:  # kron-torch 0.1.0's layout
-                momenta = group.pop(KRON_TORCH_MOMENTA)
-                step = group.pop(STEP, 0)
-                for p, m in zip(group["params"], momenta, strict=True):
-                    _, mu_dtype = _state_dtypes(p, group)
-                    self.state[p] = {
-                        STEP: step,
-                        UPDATE_COUNTER: 0,
-                        MOMENTUM: m.to(device=p.device, dtype=mu_dtype, copy=True),
-                    }
+            if KRON_TORCH_MOMENTA in group:
+                self._load_kron_torch_group(group)
+
+    def _load_kron_torch_group(self, group: dict[str, Any]) -> None:
+        """A kron-torch 0.1.0 group's momenta and step count into each parameter's
+        state (its factors are made fresh at the next step)."""
+        momenta = group.pop(KRON_TORCH_MOMENTA)
+        step = group.pop(STEP, 0)
+        for p, m in zip(group["params"], momenta, strict=True):
+            _, mu_dtype = state_dtypes(p, group)
+            self.state[p] = {
+                STEP: step,
+                UPDATE_COUNTER: 0,
+                MOMENTUM: m.to(device=p.device, dtype=mu_dtype, copy=True),
+            }
 
     def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raises ValueError at the first entry of ``state_dict`` that does not
         fit this optimizer's parameters (checked against the saved groups'
         hyperparameters, which the load will install)."""
-
-        def fail(message: str):
+        problem = state_dict_problem(self.param_groups, state_dict)
+        if problem:
             raise ValueError(
-                f"Invalid state_dict: {message} (is it another model's or "
+                f"Invalid state_dict: {problem} (is it another model's or "
                 "optimizer's checkpoint?)"
             )
-
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(
-            state_dict
-        ):
-            fail("must be a dict with 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            fail(f"{len(saved_groups)} param groups, expected {len(self.param_groups)}")
-        known = set()
-        position = 0
-        for g, (group, saved) in enumerate(
-            zip(self.param_groups, saved_groups, strict=True)
-        ):
-            if len(saved["params"]) != len(group["params"]):
-                fail(
-                    f"group {g} has {len(saved['params'])} parameters, expected "
-                    f"{len(group['params'])}"
-                )
-            hyper = {**group, **{k: v for k, v in saved.items() if k != "params"}}
-            for p, index in zip(group["params"], saved["params"], strict=True):
-                known.add(index)
-                entry = state_dict["state"].get(index)
-                if entry is not None:
-                    where = f"parameter {position} (group {g})"
-                    problem = _state_entry_problem(p, hyper, entry)
-                    if problem:
-                        fail(f"{where} {problem}")
-                position += 1
-        unknown = [index for index in state_dict["state"] if index not in known]
-        if unknown:
-            fail(f"state for parameter {unknown[0]!r}, which no group lists")
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         if FACTORS in state:
             return state
-        shape, diagonal = _plan(p.shape, group)
-        dtype, mu_dtype = _state_dtypes(p, group)
-        scale = group["precond_init_scale"] ** (1 / len(shape))
+        _, mu_dtype = state_dtypes(p, group)
         state.setdefault(STEP, 0)  # kept from a kron-torch 0.1.0 state dict
         state.setdefault(UPDATE_COUNTER, 0)
         if MOMENTUM not in state:
             state[MOMENTUM] = torch.zeros_like(
                 p, dtype=mu_dtype, memory_format=torch.preserve_format
             )
-        cache, work = _cache(group), torch.promote_types(dtype, torch.float32)
-        state[FACTORS] = [
-            torch.full((d,), scale, dtype=dtype, device=p.device)
-            if diag
-            else _stored(
-                scale * torch.eye(d, dtype=work, device=p.device)[None], cache, dtype
-            )[0]
-            for d, diag in zip(shape, diagonal, strict=True)
-        ]
+        state[FACTORS] = initial_factors(p, group)
         if group["preconditioner_update_style"] != "EQ":
             state[LIPSCHITZ] = [
-                torch.zeros((), dtype=torch.float32, device=p.device) for _ in shape
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                for _ in state[FACTORS]
             ]
         return state
 
@@ -644,182 +473,192 @@ class Kron(torch.optim.Optimizer):
         ``draws`` holds ``seed=None``'s draws (:meth:`_global_draws`)."""
         group = bucket[0][0]
         states = [self._init_state(p, g) for g, p, _ in bucket]
-        shape, _ = _plan(bucket[0][1].shape, group)
-        b1 = group["b1"]
-        for state in states:
-            state[STEP] += 1
-        step = states[0][STEP]
-        grads = [p.grad for _, p, _ in bucket]
-        momenta = [s[MOMENTUM] for s in states]
-        torch._foreach_lerp_(
-            momenta,
-            [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)],
-            1 - b1,
-        )
-        factor_dtype = states[0][FACTORS][0].dtype
-        dtype = torch.promote_types(factor_dtype, torch.float32)
-        correction = 1 - b1**step
-
-        def stacked(tensors):
-            return torch.stack([t.to(dtype).reshape(shape) for t in tensors])
-
-        mu_hat = stacked(momenta) / correction if b1 > 0 else stacked(grads)
-        if group["store_debiased_momentum"]:  # kron-torch 0.1.0: m ← m̂
-            for m, m_hat in zip(momenta, mu_hat, strict=True):
-                m.copy_(m_hat.reshape(m.shape))
-        cache, style = _cache(group), group["preconditioner_update_style"]
-        stored = [
+        shape, _ = factor_plan(bucket[0][1].shape, group)
+        dtype = torch.promote_types(states[0][FACTORS][0].dtype, torch.float32)
+        with record_function("precond/kron/momentum"):
+            mu_hat = _momentum_step(bucket, states, shape, dtype)
+        stored_factors = [
             torch.stack([s[FACTORS][axis] for s in states]).to(dtype)
             for axis in range(len(shape))
         ]
-        for state in states:
-            state[UPDATE_COUNTER] += 1
-        if draws is None:
-            probability = _probability(group, step)
-            update = states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
-        else:
-            update = draws[bucket[0][2]][0]
-        if update:
-            for state in states:
-                state[UPDATE_COUNTER] = 0
-            device = mu_hat.device
-            factors = [_factor_of(F, cache, style) for F in stored]
-            if draws is None:
-                if balance_draw(self.seed, step) < BALANCE_PROBABILITY:
-                    factors = km.balance_factors(factors)
-                noise = torch.stack(
-                    [
-                        unit_noise(shape, self.seed, step, index, dtype, device)
-                        for _, _, index in bucket
-                    ]
+        if _update_due(bucket, states, draws):
+            with record_function("precond/kron/update_factors"):
+                stored_factors = self._fit(
+                    bucket, states, stored_factors, mu_hat, draws
                 )
-            else:
-                chosen = torch.tensor(
-                    [draws[index][2] for _, _, index in bucket], device=device
-                )
-                if chosen.any():
-                    balanced = km.balance_factors(factors)
-                    factors = [
-                        torch.where(km._expand(chosen, Q), B, Q)
-                        for Q, B in zip(factors, balanced, strict=True)
-                    ]
-                noise = torch.stack(
-                    [draws[index][1].to(dtype).reshape(shape) for _, _, index in bucket]
-                )
-            target = mu_hat if group["momentum_into_precond_update"] else stacked(grads)
-            old_stored = stored
-            if style == "EQ":
-                if group["damping"]:
-                    target = km.add_damping_noise(target, noise)
-                factors = self._update_factors(
-                    factors, target, noise, group["precond_lr"]
-                )
-            else:
-                lipschitz = [
-                    torch.stack([s[LIPSCHITZ][axis] for s in states])
-                    for axis in range(len(shape))
-                ]
-                targets = km.whitening_targets(
-                    shape, [km.is_diagonal(Q) for Q in factors], mu_hat
-                )
-                factors, lipschitz = km.update_factors_gen2(
-                    factors,
-                    lipschitz,
-                    km.add_relative_damping_noise(target, noise),
-                    targets,
-                    group["precond_lr"],
-                    style,
-                )
-            stored = [_stored(Q, cache, factor_dtype).to(dtype) for Q in factors]
-            # A fit that overflowed (a usable but large gradient met by large
-            # factors) keeps that parameter's old factors: decided per stack entry
-            # on the device, without a host sync.
-            new = stored + (lipschitz if style != "EQ" else [])
-            fitted = torch.stack(
-                [torch.isfinite(F).reshape(F.shape[0], -1).all(dim=1) for F in new]
-            ).all(dim=0)
-            stored = [
-                torch.where(km._expand(fitted, F), F, old)
-                for F, old in zip(stored, old_stored, strict=True)
-            ]
-            if style != "EQ":
-                for i, state in enumerate(states):
-                    for axis, L in enumerate(lipschitz):
-                        kept = state[LIPSCHITZ][axis]
-                        kept.copy_(torch.where(fitted[i], L[i], kept))
-            for i, state in enumerate(states):
-                for axis, F in enumerate(stored):
-                    state[FACTORS][axis].copy_(F[i])
-        if cache is None:
-            U = km.precondition(stored, mu_hat)
-        else:  # U = G ×_1 P_1 … ×_k P_k with the cached P_i = Q_iᵀQ_i
-            U = km.apply_along_axes([_gram_of(F, cache) for F in stored], mu_hat)
-        if group["update_clipping"] == "rms":
-            squares = U.abs().square() if U.is_complex() else U.square()
-            rms = squares.reshape(U.shape[0], -1).mean(dim=1).sqrt()
-            U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
-                (-1,) + (1,) * (U.ndim - 1)
-            )
+        with record_function("precond/kron/precondition"):
+            U = _preconditioned(stored_factors, mu_hat, group)
         for (_, p, index), u in zip(bucket, U, strict=True):
             updates[index] = u.reshape(p.shape)
 
-
-def _state_entry_problem(
-    p: torch.Tensor, group: dict[str, Any], entry: Any
-) -> str | None:
-    """What makes a saved ``self.state[p]`` unfit for ``p`` under ``group``'s
-    hyperparameters, or None."""
-    if not isinstance(entry, dict):
-        return f"state is a {type(entry).__name__}, expected a dict"
-    keys = {STEP, UPDATE_COUNTER, MOMENTUM, FACTORS}
-    if group["preconditioner_update_style"] != "EQ":
-        keys.add(LIPSCHITZ)
-    missing = sorted(keys - set(entry))
-    if missing:
-        return f"state lacks {missing[0]!r}"
-    for key in (STEP, UPDATE_COUNTER):
-        value = entry[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            return f"{key!r} is {value!r}, expected an int >= 0"
-
-    def tensor_problem(name, value, shape, complex_):
-        if not isinstance(value, torch.Tensor):
-            return f"{name} is a {type(value).__name__}, expected a tensor"
-        if tuple(value.shape) != tuple(shape):
-            return f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}"
-        kind = "complex" if complex_ else "floating"
-        if value.is_complex() != complex_ or not (
-            value.is_floating_point() or value.is_complex()
-        ):
-            return f"{name} has dtype {value.dtype}, expected a {kind} dtype"
-        return None
-
-    problem = tensor_problem(repr(MOMENTUM), entry[MOMENTUM], p.shape, p.is_complex())
-    if problem:
-        return problem
-    shape, diagonal = _plan(p.shape, group)
-    factors = entry[FACTORS]
-    if not isinstance(factors, list | tuple) or len(factors) != len(shape):
-        got = len(factors) if isinstance(factors, list | tuple) else factors
-        return f"{FACTORS!r} has {got!r} factors, expected {len(shape)}"
-    cache = _cache(group)
-    for axis, (F, d, diag) in enumerate(zip(factors, shape, diagonal, strict=True)):
-        if diag:
-            expected = (d,)
+    def _fit(self, bucket, states, stored_factors, mu_hat, draws) -> list:
+        """One factor fit of a bucket (with its balancing and noise draws); a
+        stack entry whose fit overflows keeps its old factors. Returns the new
+        state arrays, also written into ``states``."""
+        group = bucket[0][0]
+        cache, style = cache_layout(group), group["preconditioner_update_style"]
+        factors = [factor_of(F, cache, style) for F in stored_factors]
+        if draws is None:
+            factors, noise = self._seeded_randomness(bucket, states, factors, mu_hat)
         else:
-            expected = {None: (d, d), "dense": (2, d, d), "packed": (d + 1, d)}[cache]
-        problem = tensor_problem(f"{FACTORS!r}[{axis}]", F, expected, p.is_complex())
-        if problem:
-            return problem
-    if LIPSCHITZ in keys:
-        estimates = entry[LIPSCHITZ]
-        if not isinstance(estimates, list | tuple) or len(estimates) != len(shape):
-            return f"{LIPSCHITZ!r} has the wrong length, expected {len(shape)}"
-        for axis, L in enumerate(estimates):
-            problem = tensor_problem(f"{LIPSCHITZ!r}[{axis}]", L, (), False)
-            if problem:
-                return problem
-    return None
+            factors, noise = _global_randomness(bucket, factors, mu_hat, draws)
+        target = mu_hat
+        if not group["momentum_into_precond_update"]:
+            grads = [p.grad for _, p, _ in bucket]
+            target = _stacked(grads, mu_hat.dtype, mu_hat.shape[1:])
+        lipschitz = []
+        if style == "EQ":
+            if group["damping"]:
+                target = km.add_damping_noise(target, noise)
+            factors = self._update_factors(factors, target, noise, group["precond_lr"])
+        else:
+            factors, lipschitz = _fit_gen2(
+                group, states, factors, target, noise, mu_hat
+            )
+        factor_dtype = states[0][FACTORS][0].dtype
+        new = [stored(Q, cache, factor_dtype).to(mu_hat.dtype) for Q in factors]
+        return _keep_finite_fits(states, new, stored_factors, lipschitz)
+
+    def _seeded_randomness(self, bucket, states, factors, mu_hat):
+        """(factors, V) of a seeded fit: the factors balanced when the step's
+        :func:`balance_draw` is below 0.01, V from :func:`unit_noise`."""
+        step = states[0][STEP]
+        if balance_draw(self.seed, step) < BALANCE_PROBABILITY:
+            factors = km.balance_factors(factors)
+        shape, dtype, device = mu_hat.shape[1:], mu_hat.dtype, mu_hat.device
+        noise = torch.stack(
+            [
+                unit_noise(shape, self.seed, step, index, dtype, device)
+                for _, _, index in bucket
+            ]
+        )
+        return factors, noise
+
+
+def _stacked(tensors, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The tensors in ``dtype``, each reshaped to ``shape``, stacked: (B, *shape)."""
+    return torch.stack([t.to(dtype).reshape(shape) for t in tensors])
+
+
+def _momentum_step(bucket, states, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Counts the step and updates the momenta, m ← β₁m + (1−β₁)g; returns the
+    stack of m̂ = m/(1−β₁ⁿ) (of g when β₁ = 0) in ``dtype`` and ``shape``. With
+    ``store_debiased_momentum`` (kron-torch 0.1.0), m ← m̂."""
+    group = bucket[0][0]
+    b1 = group["b1"]
+    for state in states:
+        state[STEP] += 1
+    grads = [p.grad for _, p, _ in bucket]
+    momenta = [s[MOMENTUM] for s in states]
+    torch._foreach_lerp_(
+        momenta,
+        [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)],
+        1 - b1,
+    )
+    correction = 1 - b1 ** states[0][STEP]
+    if b1 > 0:
+        mu_hat = _stacked(momenta, dtype, shape) / correction
+    else:
+        mu_hat = _stacked(grads, dtype, shape)
+    if group["store_debiased_momentum"]:
+        for m, m_hat in zip(momenta, mu_hat, strict=True):
+            m.copy_(m_hat.reshape(m.shape))
+    return mu_hat
+
+
+def _update_due(bucket, states, draws: dict | None) -> bool:
+    """Counts the steps since the last fit; whether the factors are fitted this
+    step: once 1/p(n) steps have passed (a seed), or by ``seed=None``'s draw. A
+    due fit resets the count."""
+    for state in states:
+        state[UPDATE_COUNTER] += 1
+    if draws is None:
+        probability = _probability(bucket[0][0], states[0][STEP])
+        update = states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
+    else:
+        update = draws[bucket[0][2]][0]
+    if update:
+        for state in states:
+            state[UPDATE_COUNTER] = 0
+    return bool(update)
+
+
+def _global_randomness(bucket, factors, mu_hat, draws: dict):
+    """(factors, V) of a ``seed=None`` fit from :meth:`Kron._global_draws`: the
+    factors of the parameters whose balancing draw came up are balanced."""
+    chosen = torch.tensor(
+        [draws[index][2] for _, _, index in bucket], device=mu_hat.device
+    )
+    if chosen.any():
+        balanced = km.balance_factors(factors)
+        factors = [
+            torch.where(km._expand(chosen, Q), B, Q)
+            for Q, B in zip(factors, balanced, strict=True)
+        ]
+    shape = mu_hat.shape[1:]
+    noise = torch.stack(
+        [draws[index][1].to(mu_hat.dtype).reshape(shape) for _, _, index in bucket]
+    )
+    return factors, noise
+
+
+def _fit_gen2(group, states, factors, target, noise, mu_hat):
+    """One 'QUAD' or 'PRO' fit (``update_factors_gen2``) to the target with
+    relative damping noise, towards whitening targets; returns (factors,
+    stacked Lipschitz estimates)."""
+    lipschitz = [
+        torch.stack([s[LIPSCHITZ][axis] for s in states])
+        for axis in range(len(factors))
+    ]
+    targets = km.whitening_targets(
+        tuple(mu_hat.shape[1:]), [km.is_diagonal(Q) for Q in factors], mu_hat
+    )
+    return km.update_factors_gen2(
+        factors,
+        lipschitz,
+        km.add_relative_damping_noise(target, noise),
+        targets,
+        group["precond_lr"],
+        group["preconditioner_update_style"],
+    )
+
+
+def _keep_finite_fits(states, new, old, lipschitz) -> list[torch.Tensor]:
+    """The fitted state arrays, but for a stack entry whose fit overflowed (a
+    usable but large gradient met by large factors), which keeps its old ones:
+    decided on the device, without a host sync. Written into ``states``."""
+    fitted = torch.stack(
+        [torch.isfinite(F).reshape(F.shape[0], -1).all(dim=1) for F in new + lipschitz]
+    ).all(dim=0)
+    kept = [
+        torch.where(km._expand(fitted, F), F, before)
+        for F, before in zip(new, old, strict=True)
+    ]
+    for i, state in enumerate(states):
+        for axis, L in enumerate(lipschitz):
+            estimate = state[LIPSCHITZ][axis]
+            estimate.copy_(torch.where(fitted[i], L[i], estimate))
+        for axis, F in enumerate(kept):
+            state[FACTORS][axis].copy_(F[i])
+    return kept
+
+
+def _preconditioned(stored_factors, mu_hat, group) -> torch.Tensor:
+    """U = (⊗_i Q_iᴴQ_i)·m̂ for the stack (with the cached P_i = Q_iᴴQ_i where
+    the layout keeps them); with ``update_clipping='rms'``, U / max(1, RMS/1.1)
+    per tensor."""
+    cache = cache_layout(group)
+    if cache is None:
+        U = km.precondition(stored_factors, mu_hat)
+    else:  # U = G ×_1 P_1 … ×_k P_k
+        U = km.apply_along_axes([gram_of(F, cache) for F in stored_factors], mu_hat)
+    if group["update_clipping"] == "rms":
+        squares = U.abs().square() if U.is_complex() else U.square()
+        rms = squares.reshape(U.shape[0], -1).mean(dim=1).sqrt()
+        U = U / torch.clamp(rms / MAX_UPDATE_RMS, min=1.0).reshape(
+            (-1,) + (1,) * (U.ndim - 1)
+        )
+    return U
 
 
 def _probability(group: dict[str, Any], step: int) -> float:
@@ -830,74 +669,6 @@ def _probability(group: dict[str, Any], step: int) -> float:
     if callable(probability):
         probability = probability(step)
     return probability
-
-
-def _scalar(value: Any) -> float:
-    """A learning rate as a Python number (a tensor ``lr`` is read once)."""
-    return value.item() if isinstance(value, torch.Tensor) else value
-
-
-def _cache(group: dict[str, Any]) -> str | None:
-    """The factor layout of a group: 'packed' cannot hold PRO's full Q."""
-    cache = group["preconditioner_cache"]
-    if cache == "packed" and group["preconditioner_update_style"] == "PRO":
-        return "dense"
-    return cache
-
-
-def _stored(Q: torch.Tensor, cache: str | None, dtype: torch.dtype) -> torch.Tensor:
-    """The state array of a (B, ...) stack of factors in the cache layout."""
-    if Q.ndim == 2 or cache is None:  # diagonal factors are stored as they are
-        return Q.to(dtype)
-    if cache == "packed":
-        return km.pack_factor(Q).to(dtype)
-    return torch.stack([Q, km.factor_gram(Q)], dim=1).to(dtype)
-
-
-def _factor_of(F: torch.Tensor, cache: str | None, style: str) -> torch.Tensor:
-    """Q (or the diagonal q) from a stack of state arrays."""
-    if F.ndim == 2 or cache is None:
-        return F
-    if cache == "dense":
-        return F[:, 0]
-    Q = km.unpack_factor(F)
-    if style == "QUAD":  # Hermitian: only its upper triangle is stored
-        Q = Q + torch.triu(Q, 1).mH
-    return Q
-
-
-def _gram_of(F: torch.Tensor, cache: str) -> torch.Tensor:
-    """P = QᵀQ (q² for a diagonal factor) from a stack of cached state arrays."""
-    if F.ndim == 2:
-        return F * F
-    return F[:, 1] if cache == "dense" else km.unpack_gram(F)
-
-
-def _buckets(entries, optimizer_state) -> dict[tuple, list]:
-    """Entries grouped by everything a batched call must share."""
-    buckets: dict[tuple, list] = defaultdict(list)
-    for group, p, index in entries:
-        state = optimizer_state.get(p) or {}
-        key = (
-            id(group),
-            _plan(p.shape, group),
-            p.device,
-            p.dtype,
-            state.get(STEP, 0),
-            state.get(UPDATE_COUNTER, 0),
-        )
-        buckets[key].append((group, p, index))
-    return buckets
-
-
-def _cost(shape, group) -> float:
-    """Relative cost of one parameter's fit and update: Σ d_i³ + numel·Σ d_i."""
-    merged, diagonal = _plan(shape, group)
-    numel = math.prod(merged)
-    return sum(
-        (d if diag else d**3) + numel * (1 if diag else d)
-        for d, diag in zip(merged, diagonal, strict=True)
-    )
 
 
 def _check_probability(name: str, value: Any) -> None:
@@ -917,19 +688,6 @@ def _check_dtype(name: str, value: Any) -> None:
 def _check_skew(name: str, value: Any) -> None:
     if value != float("inf"):
         check_real(name, value, low=0.0)
-
-
-def _check_lr(name: str, value: Any) -> None:
-    """A number >= 0, or a one-element floating tensor holding one (as
-    ``torch.optim.Adam`` accepts)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
-            raise ValueError(
-                f"Invalid {name}={value!r}: a tensor {name} must be a one-element "
-                "floating tensor"
-            )
-        value = value.item()
-    check_real(name, value, low=0.0)
 
 
 # The update clippings of ``Kron(update_clipping=...)``.
@@ -963,7 +721,7 @@ OPTIMIZER_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
 
 # Every per-group argument and its check: (name, check(name, value)).
 GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
-    ("lr", _check_lr),
+    ("lr", check_lr),
     ("b1", lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False)),
     ("weight_decay", lambda n, v: check_real(n, v, low=0.0)),
     ("preconditioner_update_probability", _check_probability),
@@ -990,11 +748,6 @@ GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
 )
 
 
-def _check_group(group: dict[str, Any]) -> None:
-    for name, check in GROUP_ARGUMENTS:
-        check(name, group[name])
-
-
 def _check_parameter(p: torch.Tensor) -> None:
     if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
         raise NotImplementedError(
@@ -1008,19 +761,6 @@ def _check_parameter(p: torch.Tensor) -> None:
             f"Invalid parameter of dtype {p.dtype}: Kron supports floating and "
             "complex parameters"
         )
-
-
-def _state_dtypes(
-    p: torch.Tensor, group: dict[str, Any]
-) -> tuple[torch.dtype, torch.dtype]:
-    """(factor dtype, momentum dtype) of a parameter: complex counterparts of the
-    group's dtypes for a complex parameter."""
-    factor = group["precond_dtype"] or p.dtype
-    momentum = group["mu_dtype"] or p.dtype
-    if p.is_complex():
-        factor = _complex_of(torch.promote_types(factor, torch.float32))
-        momentum = momentum if momentum.is_complex else _complex_of(momentum)
-    return factor, momentum
 
 
 def _check_gradient(p: torch.Tensor) -> None:

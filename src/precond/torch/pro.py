@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from precond._common.pro_layout import (
     ADAM_STYLE_DIVISOR,
@@ -31,14 +32,7 @@ from precond._common.pro_layout import (
 )
 from precond._common.validation import check_bool, check_choice, check_int, check_real
 from precond.torch import _kron_math as km
-from precond.torch.kron import (
-    _check_lr,
-    _generator,
-    _scalar,
-    closure_loss,
-    gradient_entries,
-    skipped_for_unusable_gradients,
-)
+from precond.torch import _optimizer as shared
 
 __all__ = ["Pro"]
 
@@ -118,7 +112,7 @@ def _paste(out: torch.Tensor, blocks: torch.Tensor, region: _Region) -> None:
     out[index] = blocks.reshape(cr, cc, r, c).permute(0, 2, 1, 3).reshape(cr * r, -1)
 
 
-class Pro(torch.optim.Optimizer):
+class Pro(shared.CheckedOptimizer):
     """PSGD 'pro': :func:`precond.jax.pro`'s arguments (less the JAX-only ones),
     defaults and steps, as a ``torch.optim.Optimizer``.
 
@@ -166,11 +160,16 @@ class Pro(torch.optim.Optimizer):
             step at 1); other steps precondition with the stored factors.
         seed: an int seeding every draw (with the step and the stack).
 
-    Example:
+    Example (with a closure that re-evaluates the loss):
         >>> model = torch.nn.Linear(8, 4)
         >>> optimizer = Pro(model.parameters(), lr=1e-3)
-        >>> model(torch.randn(2, 8)).square().sum().backward()
-        >>> optimizer.step()
+        >>> inputs = torch.randn(2, 8)
+        >>> def closure():
+        ...     optimizer.zero_grad()
+        ...     loss = model(inputs).square().sum()
+        ...     loss.backward()
+        ...     return loss
+        >>> loss = optimizer.step(closure)
     """
 
     def __init__(
@@ -192,55 +191,26 @@ class Pro(torch.optim.Optimizer):
         preconditioner_update_probability: float | Callable[[int], float] = 1.0,
         seed: int = 0,
     ):
-        defaults = dict(
-            lr=lr,
-            lr_style=lr_style,
-            b1=b1,
-            weight_decay=weight_decay,
-            normalize_grads=normalize_grads,
-            max_size_dense=max_size_dense,
-            preconditioner_lr=preconditioner_lr,
-            preconditioner_init_scale=preconditioner_init_scale,
-            preconditioner_update_style=preconditioner_update_style,
-            dtype=dtype,
-            block_size=block_size,
-            noise_scale=noise_scale,
-            preconditioner_update_probability=preconditioner_update_probability,
-        )
-        for name, check in OPTIMIZER_ARGUMENTS:
-            check(name, locals()[name])
+        shared.check_arguments(locals(), OPTIMIZER_ARGUMENTS)
+        defaults = shared.group_defaults(locals(), GROUP_ARGUMENTS)
         self.seed = seed
         super().__init__(params, defaults)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """torch's state plus the public attributes (the seed), so that
-        ``copy.deepcopy`` and ``pickle`` give an optimizer that steps like this
-        one."""
-        public = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        return {**public, **super().__getstate__()}
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        try:
-            group = self.param_groups[-1]
-            for name, check in GROUP_ARGUMENTS:
-                check(name, group[name])
-            for p in group["params"]:
-                if not p.is_floating_point():
-                    raise TypeError(
-                        f"Invalid parameter of dtype {p.dtype}: Pro supports real "
-                        "floating parameters"
-                    )
-        except Exception:
-            self.param_groups.pop()
-            raise
+    def _check_param_group(self, group: dict[str, Any]) -> None:
+        shared.check_arguments(group, GROUP_ARGUMENTS)
+        for p in group["params"]:
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"Invalid parameter of dtype {p.dtype}: Pro supports real "
+                    "floating parameters"
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
-        loss = closure_loss(closure)
-        entries = gradient_entries(self.param_groups, _check_gradient)
-        if not entries or skipped_for_unusable_gradients(entries):
+        loss = shared.closure_loss(closure)
+        entries = shared.gradient_entries(self.param_groups, _check_gradient)
+        if not entries or shared.skipped_for_unusable_gradients(entries):
             return loss
         buckets: dict[tuple, list] = defaultdict(list)
         for group, p, i in entries:
@@ -285,28 +255,9 @@ class Pro(torch.optim.Optimizer):
         step count and an update counter (all of them, in a plain run)."""
         group = bucket[0][0]
         states = [self._init_state(p, group) for _, p, _ in bucket]
-        dtype, b1 = group["dtype"], group["b1"]
-        for state in states:
-            state[STEP] += 1
-            state[UPDATE_COUNTER] += 1
-        step = states[0][STEP]
-        probability = group["preconditioner_update_probability"]
-        if callable(probability):
-            probability = probability(step)
-        do_fit = step == 1 or states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
-        if do_fit:
-            for state in states:
-                state[UPDATE_COUNTER] = 0
-        balance = step % BALANCE_EVERY == 0
-        correction = 1 - torch.tensor(b1, dtype=torch.float32) ** step
-        momenta = []
-        for (_, p, _), state in zip(bucket, states, strict=True):
-            mu = b1 * state[MOMENTUM].float() + (1 - b1) * p.grad.float()
-            state[MOMENTUM].copy_(mu)
-            m_hat = (mu / correction).to(dtype)
-            if group["normalize_grads"]:
-                m_hat = m_hat / (torch.linalg.vector_norm(m_hat) + 1e-6)
-            momenta.append(m_hat)
+        with record_function("precond/pro/momentum"):
+            momenta = _momentum_step(bucket, states)
+        do_fit = _fit_due(group, states)
         plan = _bucket_plan(
             tuple(tuple(p.shape) for _, p, _ in bucket),
             group["max_size_dense"],
@@ -317,46 +268,46 @@ class Pro(torch.optim.Optimizer):
         ]
         updates = [torch.empty_like(v) for v in views]
         for stack in plan.stacks:
-            stored = [
-                self._stored_region(states[r.leaf], bucket[r.leaf][1], group, r)
-                for r in stack.regions
-            ]
-            factors = [
-                torch.cat([s[0][side] for s in stored])
-                for side in range(len(stack.shape))
-            ]
-            lipschitz = [
-                torch.cat([s[1][side] for s in stored])
-                for side in range(len(stack.shape))
-            ]
-            G = torch.cat([_cut(views[r.leaf], r) for r in stack.regions])
-            if balance and len(factors) == 2:
+            self._step_stack(stack, bucket, states, views, updates, do_fit)
+        with record_function("precond/pro/apply_updates"):
+            _apply_updates(bucket, updates)
+
+    def _step_stack(self, stack, bucket, states, views, updates, do_fit) -> None:
+        """Balance (every 100 steps), fit (when due) and apply one stack's
+        factors to its blocks of m̂, writing P·m̂ into ``updates``."""
+        group, step = bucket[0][0], states[0][STEP]
+        stored = [
+            self._stored_region(states[r.leaf], bucket[r.leaf][1], group, r)
+            for r in stack.regions
+        ]
+        factors = [
+            torch.cat([s[0][side] for s in stored]) for side in range(len(stack.shape))
+        ]
+        lipschitz = [
+            torch.cat([s[1][side] for s in stored]) for side in range(len(stack.shape))
+        ]
+        G = torch.cat([_cut(views[r.leaf], r) for r in stack.regions])
+        with record_function("precond/pro/update_factors"):
+            if step % BALANCE_EVERY == 0 and len(factors) == 2:
                 factors = km.balance_factors(factors)
             if do_fit:
                 first = stack.regions[0]
-                generator = _generator(
+                generator = shared.seeded_generator(
                     G.device, self.seed, step, bucket[first.leaf][2], *first.first
                 )
                 factors, lipschitz = self._fit(
                     factors, lipschitz, G, stack.diagonal, generator, group
                 )
+        with record_function("precond/pro/precondition"):
             PG = km.precondition(factors, G)
-            start = 0
-            for r, (Qs, Ls) in zip(stack.regions, stored, strict=True):
-                units = math.prod(r.counts)
-                for side in range(len(stack.shape)):
-                    Qs[side].copy_(factors[side][start : start + units])
-                    Ls[side].copy_(lipschitz[side][start : start + units])
-                _paste(updates[r.leaf], PG[start : start + units], r)
-                start += units
-        lr, decay = _scalar(group["lr"]), group["weight_decay"]
-        for (_, p, _), u in zip(bucket, updates, strict=True):
-            rms = u.float().square().mean().sqrt()
-            u = u * (CLIP_RMS / torch.clamp(rms, min=CLIP_RMS)).to(u.dtype)
-            if group["lr_style"] == "adam":
-                u = u / ADAM_STYLE_DIVISOR
-            u = u.reshape(p.shape).to(p.dtype)
-            p.add_(u + decay * p, alpha=-lr)
+        start = 0
+        for r, (Qs, Ls) in zip(stack.regions, stored, strict=True):
+            units = math.prod(r.counts)
+            for side in range(len(stack.shape)):
+                Qs[side].copy_(factors[side][start : start + units])
+                Ls[side].copy_(lipschitz[side][start : start + units])
+            _paste(updates[r.leaf], PG[start : start + units], r)
+            start += units
 
     @staticmethod
     def _stored_region(state, p, group, region) -> tuple[list, list]:
@@ -452,16 +403,61 @@ class Pro(torch.optim.Optimizer):
                     )
             saved_state[index] = {k: entry[k] for k in kept if k in entry}
         super().load_state_dict(state_dict)
-
-        def copy(value, device):
-            if isinstance(value, torch.Tensor):
-                return value.to(device=device, copy=True)
-            return [copy(v, device) for v in value]
-
         for index, entries in saved_state.items():
             p = params[index]
             for key, value in entries.items():
-                self.state[p][key] = copy(value, p.device)
+                self.state[p][key] = shared.copy_to_device(value, p.device)
+
+
+def _momentum_step(bucket: list, states: list) -> list[torch.Tensor]:
+    """Counts the step; m ← b1·m + (1 − b1)·g in float32 (stored in ``dtype``);
+    returns each m̂ = m/(1 − b1ⁿ) in ``dtype``, divided by ‖m̂‖ + 1e-6 with
+    ``normalize_grads``."""
+    group = bucket[0][0]
+    dtype, b1 = group["dtype"], group["b1"]
+    for state in states:
+        state[STEP] += 1
+    correction = 1 - torch.tensor(b1, dtype=torch.float32) ** states[0][STEP]
+    momenta = []
+    for (_, p, _), state in zip(bucket, states, strict=True):
+        mu = b1 * state[MOMENTUM].float() + (1 - b1) * p.grad.float()
+        state[MOMENTUM].copy_(mu)
+        m_hat = (mu / correction).to(dtype)
+        if group["normalize_grads"]:
+            m_hat = m_hat / (torch.linalg.vector_norm(m_hat) + 1e-6)
+        momenta.append(m_hat)
+    return momenta
+
+
+def _fit_due(group: dict[str, Any], states: list) -> bool:
+    """Counts the steps since the last fit; whether the factors are fitted this
+    step (the first, then once 1/p(n) steps have passed). A due fit resets the
+    count."""
+    for state in states:
+        state[UPDATE_COUNTER] += 1
+    step = states[0][STEP]
+    probability = group["preconditioner_update_probability"]
+    if callable(probability):
+        probability = probability(step)
+    due = step == 1 or states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
+    if due:
+        for state in states:
+            state[UPDATE_COUNTER] = 0
+    return bool(due)
+
+
+def _apply_updates(bucket: list, updates: list[torch.Tensor]) -> None:
+    """θ ← θ − lr·(U + λθ), U = P·m̂ scaled to an RMS of at most 1.1 (and divided
+    by 5 with ``lr_style='adam'``)."""
+    group = bucket[0][0]
+    lr, decay = shared.scalar(group["lr"]), group["weight_decay"]
+    for (_, p, _), u in zip(bucket, updates, strict=True):
+        rms = u.float().square().mean().sqrt()
+        u = u * (CLIP_RMS / torch.clamp(rms, min=CLIP_RMS)).to(u.dtype)
+        if group["lr_style"] == "adam":
+            u = u / ADAM_STYLE_DIVISOR
+        u = u.reshape(p.shape).to(p.dtype)
+        p.add_(u + decay * p, alpha=-lr)
 
 
 def _check_dtype(name: str, value: Any) -> None:
@@ -477,7 +473,7 @@ def _check_seed(name: str, value: Any) -> None:
 
 # Every per-group argument and its check (Invalid <name>=<value!r>: must be ...).
 GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
-    ("lr", _check_lr),
+    ("lr", shared.check_lr),
     ("lr_style", lambda n, v: check_choice(n, v, ("adam", None))),
     ("b1", lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False)),
     ("weight_decay", lambda n, v: check_real(n, v, low=0.0)),

@@ -1,0 +1,313 @@
+"""Kron's per-parameter state (``self.state[p]``): which factor each axis of a
+parameter gets (the plan), the state's dtypes and storage layouts, a fresh
+state, the buckets of equal work, and the checks of a saved state."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from precond._common.factor_plan import merge_dims, plan_diagonal_axes
+from precond.torch import _kron_math as km
+
+# Keys of self.state[p].
+STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
+LIPSCHITZ = "lipschitz"  # generation-2 styles: per axis, a float32 scalar
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """kron-torch 0.3.3's ``merge_dims``: a tensor of 3+ dims is preconditioned as
+    the matrix (d_1⋯d_{k−1}, d_k) or (d_1, d_2⋯d_k), whichever is less skewed
+    (the first on a tie); others keep their shape."""
+    if len(shape) <= 2:
+        return shape
+    rows_first = (math.prod(shape[:-1]), shape[-1])
+    cols_first = (shape[0], math.prod(shape[1:]))
+    if rows_first[1] - rows_first[0] <= cols_first[1] - cols_first[0]:
+        return rows_first
+    return cols_first
+
+
+def _smart_one_diag(
+    shape: tuple[int, ...], diagonal: tuple[bool, ...]
+) -> tuple[bool, ...]:
+    """kron-torch 0.3.3's 'smart_one_diag': the largest axis, if strictly the
+    largest, is diagonal too."""
+    if len(shape) < 2:
+        return diagonal
+    ordered = sorted(shape)
+    if ordered[-1] == ordered[-2]:
+        return diagonal
+    largest = shape.index(ordered[-1])
+    return tuple(d or a == largest for a, d in enumerate(diagonal))
+
+
+def _skew_rule(
+    shape: tuple[int, ...], diagonal: tuple[bool, ...], skew: float
+) -> tuple[bool, ...]:
+    """kron-torch 0.1.0's skew rule: an axis longer than ``skew`` times the second
+    largest dim (1 for a vector) is diagonal."""
+    second_largest = sorted(shape)[-2] if len(shape) > 1 else 1
+    return tuple(
+        diag or d > skew * second_largest
+        for d, diag in zip(shape, diagonal, strict=True)
+    )
+
+
+def _merged_small_dims(
+    shape: tuple[int, ...], diagonal: tuple[bool, ...], group: dict[str, Any]
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """``merge_small_dims``: adjacent axes merged up to ``target_merged_dim_size``;
+    a merged axis is diagonal when all its axes were or it is too long."""
+    groups = merge_dims(shape, group["target_merged_dim_size"])
+    merged = tuple(math.prod(shape[a] for a in g) for g in groups)
+    merged_diagonal = tuple(
+        all(diagonal[a] for a in g) or size > group["max_size_triangular"]
+        for g, size in zip(groups, merged, strict=True)
+    )
+    return merged, merged_diagonal
+
+
+def factor_plan(
+    shape: tuple[int, ...], group: dict[str, Any]
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """(preconditioned shape, diagonal per axis) of a parameter (scalars become
+    (1,)). An axis is diagonal when its size is 1 or above
+    ``max_size_triangular``, when the tensor has fewer than
+    ``min_ndim_triangular`` dims, when ``memory_save_mode`` picks it, or when it
+    is longer than ``max_skew_triangular`` times the second largest dim (1 for a
+    vector): kron-torch 0.1.0's skew rule."""
+    shape = tuple(shape) or (1,)
+    if group["merge_dims"]:
+        shape = _matrix_shape(shape)
+    mode = group["memory_save_mode"]
+    diagonal = plan_diagonal_axes(
+        shape,
+        max_size_triangular=group["max_size_triangular"],
+        min_ndim_triangular=group["min_ndim_triangular"],
+        memory_save_mode=None if mode == "smart_one_diag" else mode,
+    )
+    if mode == "smart_one_diag":
+        diagonal = _smart_one_diag(shape, diagonal)
+    diagonal = _skew_rule(shape, diagonal, group["max_skew_triangular"])
+    if group["merge_small_dims"]:
+        shape, diagonal = _merged_small_dims(shape, diagonal, group)
+    return shape, diagonal
+
+
+def cost(shape, group) -> float:
+    """Relative cost of one parameter's fit and update: Σ d_i³ + numel·Σ d_i."""
+    merged, diagonal = factor_plan(shape, group)
+    numel = math.prod(merged)
+    return sum(
+        (d if diag else d**3) + numel * (1 if diag else d)
+        for d, diag in zip(merged, diagonal, strict=True)
+    )
+
+
+def buckets(entries, optimizer_state) -> dict[tuple, list]:
+    """Entries grouped by everything a batched call must share."""
+    grouped: dict[tuple, list] = defaultdict(list)
+    for group, p, index in entries:
+        state = optimizer_state.get(p) or {}
+        key = (
+            id(group),
+            factor_plan(p.shape, group),
+            p.device,
+            p.dtype,
+            state.get(STEP, 0),
+            state.get(UPDATE_COUNTER, 0),
+        )
+        grouped[key].append((group, p, index))
+    return grouped
+
+
+def _complex_of(dtype: torch.dtype) -> torch.dtype:
+    """The complex dtype of at least ``dtype``'s precision (complex64 at least)."""
+    if dtype in (torch.float64, torch.complex128):
+        return torch.complex128
+    return torch.complex64
+
+
+def state_dtypes(
+    p: torch.Tensor, group: dict[str, Any]
+) -> tuple[torch.dtype, torch.dtype]:
+    """(factor dtype, momentum dtype) of a parameter: complex counterparts of the
+    group's dtypes for a complex parameter."""
+    factor = group["precond_dtype"] or p.dtype
+    momentum = group["mu_dtype"] or p.dtype
+    if p.is_complex():
+        factor = _complex_of(torch.promote_types(factor, torch.float32))
+        momentum = momentum if momentum.is_complex else _complex_of(momentum)
+    return factor, momentum
+
+
+def cache_layout(group: dict[str, Any]) -> str | None:
+    """The factor layout of a group: 'packed' cannot hold PRO's full Q."""
+    cache = group["preconditioner_cache"]
+    if cache == "packed" and group["preconditioner_update_style"] == "PRO":
+        return "dense"
+    return cache
+
+
+def stored(Q: torch.Tensor, cache: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """The state array of a (B, ...) stack of factors in the cache layout."""
+    if Q.ndim == 2 or cache is None:  # diagonal factors are stored as they are
+        return Q.to(dtype)
+    if cache == "packed":
+        return km.pack_factor(Q).to(dtype)
+    return torch.stack([Q, km.factor_gram(Q)], dim=1).to(dtype)
+
+
+def factor_of(F: torch.Tensor, cache: str | None, style: str) -> torch.Tensor:
+    """Q (or the diagonal q) from a stack of state arrays."""
+    if F.ndim == 2 or cache is None:
+        return F
+    if cache == "dense":
+        return F[:, 0]
+    Q = km.unpack_factor(F)
+    if style == "QUAD":  # Hermitian: only its upper triangle is stored
+        Q = Q + torch.triu(Q, 1).mH
+    return Q
+
+
+def gram_of(F: torch.Tensor, cache: str) -> torch.Tensor:
+    """P = QᵀQ (q² for a diagonal factor) from a stack of cached state arrays."""
+    if F.ndim == 2:
+        return F * F
+    return F[:, 1] if cache == "dense" else km.unpack_gram(F)
+
+
+def initial_factors(p: torch.Tensor, group: dict[str, Any]) -> list[torch.Tensor]:
+    """Q_i = s^(1/k)·I on each of the k axes (s = ``precond_init_scale``), in the
+    group's factor dtype and cache layout."""
+    shape, diagonal = factor_plan(p.shape, group)
+    dtype, _ = state_dtypes(p, group)
+    scale = group["precond_init_scale"] ** (1 / len(shape))
+    cache, work = cache_layout(group), torch.promote_types(dtype, torch.float32)
+    return [
+        torch.full((d,), scale, dtype=dtype, device=p.device)
+        if diag
+        else stored(
+            scale * torch.eye(d, dtype=work, device=p.device)[None], cache, dtype
+        )[0]
+        for d, diag in zip(shape, diagonal, strict=True)
+    ]
+
+
+# --- checks of a saved state ---------------------------------------------------
+
+
+def _counter_problem(entry: dict) -> str | None:
+    """What is wrong with the saved step and update counter, or None."""
+    for key in (STEP, UPDATE_COUNTER):
+        value = entry[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{key!r} is {value!r}, expected an int >= 0"
+    return None
+
+
+def _tensor_problem(name: str, value: Any, shape, complex_: bool) -> str | None:
+    """What makes ``value`` not a floating (or complex) tensor of ``shape``."""
+    if not isinstance(value, torch.Tensor):
+        return f"{name} is a {type(value).__name__}, expected a tensor"
+    if tuple(value.shape) != tuple(shape):
+        return f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+    kind = "complex" if complex_ else "floating"
+    if value.is_complex() != complex_ or not (
+        value.is_floating_point() or value.is_complex()
+    ):
+        return f"{name} has dtype {value.dtype}, expected a {kind} dtype"
+    return None
+
+
+def _factors_problem(
+    p: torch.Tensor, group: dict[str, Any], factors: Any
+) -> str | None:
+    """What makes saved factors unfit for ``p``'s plan and cache layout."""
+    shape, diagonal = factor_plan(p.shape, group)
+    if not isinstance(factors, list | tuple) or len(factors) != len(shape):
+        got = len(factors) if isinstance(factors, list | tuple) else factors
+        return f"{FACTORS!r} has {got!r} factors, expected {len(shape)}"
+    cache = cache_layout(group)
+    for axis, (F, d, diag) in enumerate(zip(factors, shape, diagonal, strict=True)):
+        if diag:
+            expected = (d,)
+        else:
+            expected = {None: (d, d), "dense": (2, d, d), "packed": (d + 1, d)}[cache]
+        problem = _tensor_problem(f"{FACTORS!r}[{axis}]", F, expected, p.is_complex())
+        if problem:
+            return problem
+    return None
+
+
+def _lipschitz_problem(estimates: Any, axes: int) -> str | None:
+    """What makes saved Lipschitz estimates not ``axes`` real scalars."""
+    if not isinstance(estimates, list | tuple) or len(estimates) != axes:
+        return f"{LIPSCHITZ!r} has the wrong length, expected {axes}"
+    for axis, L in enumerate(estimates):
+        problem = _tensor_problem(f"{LIPSCHITZ!r}[{axis}]", L, (), False)
+        if problem:
+            return problem
+    return None
+
+
+def state_entry_problem(
+    p: torch.Tensor, group: dict[str, Any], entry: Any
+) -> str | None:
+    """What makes a saved ``self.state[p]`` unfit for ``p`` under ``group``'s
+    hyperparameters, or None."""
+    if not isinstance(entry, dict):
+        return f"state is a {type(entry).__name__}, expected a dict"
+    keys = {STEP, UPDATE_COUNTER, MOMENTUM, FACTORS}
+    if group["preconditioner_update_style"] != "EQ":
+        keys.add(LIPSCHITZ)
+    missing = sorted(keys - set(entry))
+    if missing:
+        return f"state lacks {missing[0]!r}"
+    momentum = entry[MOMENTUM]
+    return (
+        _counter_problem(entry)
+        or _tensor_problem(repr(MOMENTUM), momentum, p.shape, p.is_complex())
+        or _factors_problem(p, group, entry[FACTORS])
+        or (
+            _lipschitz_problem(entry[LIPSCHITZ], len(entry[FACTORS]))
+            if LIPSCHITZ in keys
+            else None
+        )
+    )
+
+
+def state_dict_problem(param_groups: list[dict], state_dict: Any) -> str | None:
+    """The first entry of ``state_dict`` that does not fit the groups' parameters
+    (checked against the saved groups' hyperparameters, which a load installs),
+    or None."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(
+        state_dict
+    ):
+        return "must be a dict with 'state' and 'param_groups'"
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        return f"{len(saved_groups)} param groups, expected {len(param_groups)}"
+    known, position = set(), 0
+    for g, (group, saved) in enumerate(zip(param_groups, saved_groups, strict=True)):
+        if len(saved["params"]) != len(group["params"]):
+            return (
+                f"group {g} has {len(saved['params'])} parameters, expected "
+                f"{len(group['params'])}"
+            )
+        hyper = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+        for p, index in zip(group["params"], saved["params"], strict=True):
+            known.add(index)
+            entry = state_dict["state"].get(index)
+            problem = entry is not None and state_entry_problem(p, hyper, entry)
+            if problem:
+                return f"parameter {position} (group {g}) {problem}"
+            position += 1
+    unknown = [index for index in state_dict["state"] if index not in known]
+    if unknown:
+        return f"state for parameter {unknown[0]!r}, which no group lists"
+    return None

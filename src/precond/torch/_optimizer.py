@@ -1,0 +1,146 @@
+"""What precond's torch optimizers (Kron, Pro) share: the step's preamble (the
+closure, the gradients to use, the non-finite guard), generators seeded from
+integers, the learning-rate check, copies and pickling, checked param groups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from precond._common.validation import check_real
+
+
+def seeded_generator(device: torch.device, *integers: int) -> torch.Generator:
+    """A generator seeded from integers (a seed, a step, an index...): the same
+    draws on every rank, process, Python build and platform.
+
+    Its seed is the first 8 bytes of BLAKE2b over the integers' decimal text
+    joined by commas (b"42,7,-1"), read little-endian, modulo 2⁶³."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(hash(integers) % (2**63))
+    return generator
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """``closure()`` with gradients enabled (an optimizer's ``step(closure)``), or
+    None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def gradient_entries(
+    param_groups: list[dict], check_gradient: Callable[[torch.Tensor], None]
+) -> list[tuple[dict, torch.Tensor, int]]:
+    """(group, parameter, index among all the parameters) of each non-empty
+    parameter that has a gradient, in order; ``check_gradient(p)`` refuses the
+    gradients the optimizer cannot take."""
+    entries, index = [], 0
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None and p.numel() > 0:
+                check_gradient(p)
+                entries.append((group, p, index))
+            index += 1
+    return entries
+
+
+def skipped_for_unusable_gradients(
+    entries: list[tuple[dict, torch.Tensor, int]],
+) -> bool:
+    """True when some gradient of ``entries`` is unusable
+    (:func:`gradients_are_usable`): the step is skipped, its state unchanged, and
+    only the decoupled weight decay is applied."""
+    if gradients_are_usable([p.grad for _, p, _ in entries]):
+        return False
+    for group, p, _ in entries:
+        p.mul_(1 - scalar(group["lr"]) * group["weight_decay"])
+    return True
+
+
+def _working_view(g: torch.Tensor) -> torch.Tensor:
+    """``g`` flattened in its working precision (float32, or float64 for float64
+    and complex128), complex entries as (real, imaginary) pairs."""
+    if g.is_complex():
+        wide = g.dtype == torch.complex128
+        return torch.view_as_real(g if wide else g.to(torch.complex64)).reshape(-1)
+    return (g if g.dtype == torch.float64 else g.to(torch.float32)).reshape(-1)
+
+
+def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
+    """True when every gradient's squared norm Σ|g|² is finite in its working
+    precision (float32, or float64 for float64/complex128 gradients): False for
+    NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
+    that their squares overflow, as :func:`precond.jax.kron`'s guard. One dot
+    product per gradient, one host sync per step."""
+    return bool(
+        torch.stack(
+            [torch.isfinite(torch.dot(x, x)) for x in map(_working_view, grads)]
+        ).all()
+    )
+
+
+def scalar(value: Any) -> float:
+    """A learning rate as a Python number (a tensor ``lr`` is read once)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def check_lr(name: str, value: Any) -> None:
+    """A number >= 0, or a one-element floating tensor holding one (as
+    ``torch.optim.Adam`` accepts)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(
+                f"Invalid {name}={value!r}: a tensor {name} must be a one-element "
+                "floating tensor"
+            )
+        value = value.item()
+    check_real(name, value, low=0.0)
+
+
+def check_arguments(arguments: dict[str, Any], table) -> None:
+    """Runs each ``(name, check)`` of ``table`` on ``arguments[name]``: raises
+    ``Invalid <name>=<value!r>: must be ...`` at the first bad one."""
+    for name, check in table:
+        check(name, arguments[name])
+
+
+def group_defaults(arguments: dict[str, Any], table) -> dict[str, Any]:
+    """The per-group arguments named by ``table`` (a constructor's ``locals()``),
+    in the table's order: an optimizer's ``defaults``."""
+    return {name: arguments[name] for name, _ in table}
+
+
+def copy_to_device(value: Any, device: torch.device) -> Any:
+    """A copy of a tensor, or of a (nested) list of tensors, on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, copy=True)
+    return [copy_to_device(v, device) for v in value]
+
+
+class CheckedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose copies and pickles keep its public
+    attributes, and whose new param groups are checked (``_check_param_group``)
+    and refused whole, leaving the optimizer as it was."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, groups) plus every public attribute
+        (the seed, and any a subclass or user sets), so that ``copy.deepcopy``
+        and ``pickle`` give an optimizer that steps exactly like this one."""
+        public = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {**public, **super().__getstate__()}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            self._check_param_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_param_group(self, group: dict[str, Any]) -> None:
+        """Raises for a group's bad hyperparameter or parameter."""
+        raise NotImplementedError
