@@ -484,7 +484,7 @@ def scale_by_affine(
             :func:`matrix_view_shape`, axes in their order.
 
     Example:
-        >>> optimizer = scale_by_affine()  # doctest: +SKIP
+        >>> optimizer = scale_by_affine()
     """
     for name, value in (
         ("max_size_triangular", max_size_triangular),
