@@ -551,7 +551,7 @@ def affine(
     jax.grad(loss)(params))`` (:func:`precond.jax.hessian_helper` returns it so).
 
     Example:
-        >>> optimizer = affine(learning_rate=0.01)  # doctest: +SKIP
+        >>> optimizer = affine(learning_rate=0.01)
     """
     core = scale_by_affine(
         preconditioner_update_probability=preconditioner_update_probability,
