@@ -53,8 +53,10 @@ def precond_update_prob_schedule(
     update every ~33 steps after about 4000 steps.
 
     Example:
-        >>> kron(preconditioner_update_probability=precond_update_prob_schedule(
-        ...     min_prob=0.05, flat_start=1000))  # doctest: +SKIP
+        >>> import precond.jax as pj
+        >>> optimizer = pj.kron(
+        ...     preconditioner_update_probability=pj.precond_update_prob_schedule(
+        ...         min_prob=0.05, flat_start=1000))
     """
     check_update_prob_schedule(max_prob, min_prob, decay, flat_start)
 
