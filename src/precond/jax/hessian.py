@@ -148,8 +148,13 @@ def hessian_helper(*args, **kwargs) -> tuple[Any, Any, Any, Any, jax.Array]:
         update_preconditioner=update_preconditioner)``.
 
     Example:
+        >>> import jax, jax.numpy as jnp
+        >>> def loss_fn(params):
+        ...     return jnp.sum(params["w"] ** 2)
         >>> loss_out, grads, hvp, vector, update = hessian_helper(
-        ...     key, step, loss_fn, params)  # doctest: +SKIP
+        ...     jax.random.PRNGKey(0), 0, loss_fn, {"w": jnp.ones(3)})
+        >>> float(loss_out)
+        3.0
     """
     bound = _bind_helper_arguments(args, kwargs)
     key, train_step = bound["key"], bound["train_step"]
