@@ -979,10 +979,13 @@ def kron(
             the parameters that decay.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> import precond.jax as pj
+        >>> params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
         >>> optimizer = pj.kron(learning_rate=3e-4, weight_decay=0.01)
-        >>> state = optimizer.init(params)  # doctest: +SKIP
-        >>> updates, state = optimizer.update(grads, state)  # doctest: +SKIP
+        >>> state = optimizer.init(params)
+        >>> grads = {"w": jnp.full((4, 3), 0.1), "b": jnp.full(3, 0.1)}
+        >>> updates, state = optimizer.update(grads, state, params)
     """
     core = scale_by_kron(
         b1=b1,
