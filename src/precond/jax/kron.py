@@ -1041,10 +1041,13 @@ def get_opt_state_partition_specs(
         **kwargs: the arguments given to ``kron`` (or ``scale_by_kron``).
 
     Example:
-        >>> kwargs = dict(params_partition_specs=specs,
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> params = {"w": jnp.ones((512, 256))}
+        >>> kwargs = dict(params_partition_specs={"w": P("fsdp", None)},
         ...               preconditioner_partition_spec=P("fsdp", None))
-        >>> optimizer = kron(**kwargs)  # doctest: +SKIP
-        >>> specs = get_opt_state_partition_specs(params, **kwargs)  # doctest: +SKIP
+        >>> optimizer = kron(**kwargs)
+        >>> specs = get_opt_state_partition_specs(params, **kwargs)
     """
     if scale_by_kron_only:
         for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
