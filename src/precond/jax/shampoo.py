@@ -1486,6 +1486,9 @@ def seed_parameter_stats(state: ShampooState, params, *args, **kwargs):
     :func:`shampoo_state_from_seed` is the inverse.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"w": jnp.ones((4, 3))}
+        >>> state = distributed_shampoo(0.1, block_size=128).init(params)
         >>> stats = seed_parameter_stats(state, params, 0.1, block_size=128)
         >>> errors = stats["w"].training_metrics.inverse_pth_root_errors
     """
