@@ -1604,11 +1604,16 @@ def shampoo_state_from_seed(seed_state, params, *args, **kwargs) -> ShampooState
     kept; with ``generate_training_metrics`` and none in the checkpoint it
     starts at 0.
 
-    Example:
-        >>> seed_state = orbax_checkpointer.restore(path, item=google_state)
-        >>> state = shampoo_state_from_seed(seed_state, params, 0.1, 128)
-        >>> opt = distributed_shampoo(0.1, 128)
-        >>> updates, state = opt.update(grads, state, params)
+    Example (``seed_state`` would come from a checkpoint of the seed, e.g.
+    ``orbax_checkpointer.restore(path, item=google_state)``; here it is
+    :func:`seed_parameter_stats` of a precond state):
+        >>> import jax.numpy as jnp
+        >>> params = {"w": jnp.ones((4, 3))}
+        >>> opt = distributed_shampoo(0.1, block_size=128)
+        >>> stats = seed_parameter_stats(opt.init(params), params, 0.1, block_size=128)
+        >>> seed_state = SeedShampooState(count=jnp.zeros([], jnp.int32), stats=stats)
+        >>> state = shampoo_state_from_seed(seed_state, params, 0.1, block_size=128)
+        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, state, params)
     """
     config = _bound_config(args, kwargs)
     count, stats = seed_state.count, seed_state.stats
