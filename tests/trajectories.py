@@ -1,0 +1,275 @@
+"""Recorded optimizer trajectories: the bitwise regression table of issue 20.
+
+Every case builds one optimizer setting, small parameters θ₀ and the gradients of
+L_t(θ) = Σ ½ d⊙θ² + n_t⊙θ (so g_t = d⊙θ + n_t: fixed curvature d, fresh noise
+n_t each step, all drawn from the seed), takes ``STEPS`` steps and returns the
+final parameters θ_T and the last update u_T for each of ``SEEDS``. Torch's K-FAC
+cases train a tiny MLP on fixed inputs instead. ``tests/test_trajectories.py``
+asserts that they equal the recordings in ``tests/data/trajectories`` bit for bit.
+
+Record (one file per case, so re-recording a deliberate change is one command)::
+
+    python -m tests.trajectories --record [CASE ...]
+
+The recorder imports ``tests/conftest.py`` first, so it runs under the test
+suite's XLA settings (8 simulated CPU devices, optimizations off, elemental
+emitter, one torch thread): the numbers depend on them.
+"""
+
+import tests.conftest  # noqa: F401  # isort: skip  (XLA/torch settings before jax)
+
+import argparse
+import dataclasses
+import functools
+import os
+import pathlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+
+import precond.jax as pj
+
+STEPS = 20
+SEEDS = (0, 1)
+DATA_DIR = pathlib.Path(__file__).parent / "data" / "trajectories"
+
+# Parameter shapes: a matrix, a vector and a 4-D kernel (merging, diagonal and
+# triangular factors), and a stack of 3 layers (scanned layers).
+MIXED = {"w": (12, 10), "b": (10,), "k": (2, 3, 4, 5)}
+SCANNED = {"layers": (3, 6, 5), "b": (5,)}
+SCANNED_FLAGS = {"layers": True, "b": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One optimizer setting: ``run()`` → named float arrays to record (every
+    seed's, named ``seed<s>:<kind>:<leaf>``)."""
+
+    name: str
+    run: Callable[[], dict[str, np.ndarray]]
+
+
+# -- the problem ----------------------------------------------------------------
+
+
+def problem(shapes: dict, seed: int) -> tuple[dict, dict, list[dict]]:
+    """θ₀ ~ N(0, 1), curvature d ~ U(0.5, 2) and noises n_t ~ N(0, 1), float32."""
+    rng = np.random.default_rng(seed)
+
+    def draw(sample: Callable) -> dict:
+        return {k: sample(size=s).astype(np.float32) for k, s in shapes.items()}
+
+    params = draw(rng.standard_normal)
+    curvature = draw(functools.partial(rng.uniform, 0.5, 2.0))
+    noises = [draw(rng.standard_normal) for _ in range(STEPS)]
+    return params, curvature, noises
+
+
+def loss(params: dict, curvature: dict, noise: dict) -> jax.Array:
+    """L(θ) = Σ ½ d⊙θ² + n⊙θ, whose gradient is d⊙θ + n and Hessian diag(d)."""
+    terms = jax.tree.map(
+        lambda p, d, n: jnp.sum(0.5 * d * p * p + n * p), params, curvature, noise
+    )
+    return sum(jax.tree.leaves(terms))
+
+
+def recorded(seed: int, params: dict, update: dict) -> dict[str, np.ndarray]:
+    """The arrays kept per seed: final parameters and last update, by name."""
+    out = {f"seed{seed}:params:{k}": np.asarray(v) for k, v in params.items()}
+    out.update({f"seed{seed}:update:{k}": np.asarray(v) for k, v in update.items()})
+    return out
+
+
+# -- JAX ------------------------------------------------------------------------
+
+
+def gradient_step(optimizer, params, state, curvature, noise, key):
+    """One step on g = ∇L(θ) (``key`` unused: the signature of ``newton_step``)."""
+    del key
+    grads = jax.grad(loss)(params, curvature, noise)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+
+def newton_step(optimizer, params, state, curvature, noise, key):
+    """One step that fits the preconditioner to (H·v, v) from ``hessian_helper``."""
+    _, grads, hvp, vector, flag = pj.hessian_helper(
+        key, loss, params, loss_fn_extra_args=(curvature, noise)
+    )
+    updates, state = optimizer.update(
+        grads, state, params, Hvp=hvp, vector=vector, update_preconditioner=flag
+    )
+    return optax.apply_updates(params, updates), state, updates
+
+
+def run_jax(make, shapes, step) -> dict[str, np.ndarray]:
+    """STEPS jitted steps of ``make()`` on ``problem(shapes, seed)`` per seed
+    (one optimizer and one compilation for all seeds)."""
+    optimizer = make()
+    jitted = jax.jit(functools.partial(step, optimizer))
+    arrays = {}
+    for seed in SEEDS:
+        params, curvature, noises = problem(shapes, seed)
+        params = jax.tree.map(jnp.asarray, params)
+        state = optimizer.init(params)
+        key = jax.random.PRNGKey(seed)
+        for t, noise in enumerate(noises):
+            step_key = jax.random.fold_in(key, t)
+            params, state, updates = jitted(params, state, curvature, noise, step_key)
+        arrays.update(recorded(seed, params, updates))
+    return arrays
+
+
+def jax_case(name, make, shapes=MIXED, step=gradient_step) -> Case:
+    """A JAX case: ``make()`` builds the optax transformation."""
+    return Case(name, functools.partial(run_jax, make, shapes, step))
+
+
+def kron(**kwargs) -> Callable:
+    """Builds ``pj.kron`` with learning rate 0.01 and ``kwargs``."""
+    return functools.partial(pj.kron, learning_rate=0.01, **kwargs)
+
+
+def pro(**kwargs) -> Callable:
+    """Builds ``pj.pro`` with learning rate 0.01 and ``kwargs``."""
+    return functools.partial(pj.pro, learning_rate=0.01, **kwargs)
+
+
+def psgd(alias, **kwargs) -> Callable:
+    """Builds psgd-jax's ``alias`` (xmat, lra, affine) with learning rate 0.01."""
+    return functools.partial(alias, learning_rate=0.01, seed=3, **kwargs)
+
+
+def shampoo(**kwargs) -> Callable:
+    """Builds ``pj.distributed_shampoo`` (learning rate 0.01, blocks of 8)."""
+    options = dict(learning_rate=0.01, block_size=8, start_preconditioning_step=2)
+    return functools.partial(pj.distributed_shampoo, **(options | kwargs))
+
+
+JAX_CASES = [
+    # Kron: update styles, caches, layouts, factor structure, schedules, options.
+    jax_case("kron_eq", kron()),
+    jax_case("kron_quad", kron(preconditioner_update_style="QUAD")),
+    jax_case("kron_pro", kron(preconditioner_update_style="PRO")),
+    jax_case("kron_cache_dense", kron(preconditioner_cache="dense")),
+    jax_case("kron_cache_none", kron(preconditioner_cache=None)),
+    jax_case("kron_no_merge", kron(merge_small_dims=False)),
+    jax_case("kron_merge_dk", kron(merge_rule="distributed_kron")),
+    jax_case("kron_blocks", kron(block_size=4)),
+    jax_case(
+        "kron_blocks_quad", kron(block_size=4, preconditioner_update_style="QUAD")
+    ),
+    jax_case("kron_blocks_dk", kron(block_size=4, block_padding="distributed_kron")),
+    jax_case("kron_no_blocks", kron(partition_grads_into_blocks=False, block_size=4)),
+    jax_case("kron_scanned", kron(scanned_layers=SCANNED_FLAGS), SCANNED),
+    jax_case(
+        "kron_scanned_independent",
+        kron(scanned_layers=SCANNED_FLAGS, independent_scanned_layers=True),
+        SCANNED,
+    ),
+    jax_case(
+        "kron_scanned_lax_map",
+        kron(
+            scanned_layers=SCANNED_FLAGS,
+            lax_map_scanned_layers=True,
+            lax_map_batch_size=2,
+        ),
+        SCANNED,
+    ),
+    jax_case("kron_diagonal_large_axes", kron(max_size_triangular=8)),
+    jax_case("kron_one_diag", kron(memory_save_mode="one_diag")),
+    jax_case("kron_all_diag", kron(memory_save_mode="all_diag")),
+    jax_case("kron_min_ndim_3", kron(min_ndim_triangular=3)),
+    jax_case("kron_prob_03", kron(preconditioner_update_probability=0.3)),
+    jax_case(
+        "kron_quad_prob_03",
+        kron(preconditioner_update_probability=0.3, preconditioner_update_style="QUAD"),
+    ),
+    jax_case("kron_grad_into_precond", kron(momentum_into_precond_update=False)),
+    jax_case("kron_b1_0", kron(b1=0.0)),
+    jax_case(
+        "kron_weight_decay",
+        kron(weight_decay=0.1, weight_decay_mask={"w": True, "b": False, "k": True}),
+    ),
+    jax_case("kron_noise_dk", kron(noise_draws="distributed_kron", seed=7)),
+    jax_case("kron_bf16", kron(precond_dtype=jnp.bfloat16, mu_dtype=jnp.bfloat16)),
+    jax_case("kron_newton", kron(), step=newton_step),
+]
+
+
+def jax_cases() -> list[Case]:
+    """Every JAX case."""
+    return JAX_CASES
+
+
+def torch_cases() -> list[Case]:
+    """Every torch case."""
+    return []
+
+
+def all_cases() -> dict[str, Case]:
+    """The table: case name → case."""
+    cases = jax_cases() + torch_cases()
+    table = {case.name: case for case in cases}
+    assert len(table) == len(cases), "duplicate case names"
+    return table
+
+
+CASES = all_cases()
+
+
+# -- recording ------------------------------------------------------------------
+
+
+def recording_path(name: str) -> pathlib.Path:
+    """Where case ``name``'s recording lives."""
+    return DATA_DIR / f"{name}.npz"
+
+
+def environment() -> str:
+    """What the numbers depend on besides the code: versions and XLA settings."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(
+        [
+            f"jax={jax.__version__}",
+            f"jaxlib={jax.lib.__version__}",
+            f"torch={torch.__version__}",
+            f"numpy={np.__version__}",
+            f"devices={jax.device_count()}",
+            "JAX_DISABLE_MOST_OPTIMIZATIONS="
+            + os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", ""),
+            *sorted(f for f in flags if "fusion_emitters" in f),
+        ]
+    )
+
+
+def record(names: list[str]) -> None:
+    """Writes the recordings of ``names`` (all cases when empty)."""
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown cases: {unknown}; known: {sorted(CASES)}")
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    for name in names or list(CASES):
+        arrays = CASES[name].run()
+        np.savez_compressed(
+            recording_path(name), environment=np.array(environment()), **arrays
+        )
+        print(f"recorded {recording_path(name)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", action="store_true", help="write recordings")
+    parser.add_argument("cases", nargs="*", help="case names (default: all)")
+    args = parser.parse_args()
+    if not args.record:
+        parser.error("nothing to do: pass --record")
+    record(args.cases)
+
+
+if __name__ == "__main__":
+    main()
