@@ -41,13 +41,11 @@ ranks (KAISA's G grows with W², which changes what a given damping means;
 
 from __future__ import annotations
 
-import enum
-import inspect
 import logging
 import math
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -55,8 +53,21 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from precond._common.validation import check_bool, check_int, check_real
+from precond.torch.kfac.arguments import (
+    _ARGUMENT_CHECKS as _ARGUMENT_CHECKS,  # re-exported: docs/make_arguments.py
+)
+from precond.torch.kfac.arguments import (
+    AssignmentStrategy,
+    ComputeMethod,
+    DistributedStrategy,
+    Schedulable,
+    _grad_workers,
+    _takes_step,
+    check_arguments,
+    distributed_strategy,
+)
 from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
+from precond.torch.kfac.checkpoint import Checkpointing
 from precond.torch.kfac.communication import Communicator
 from precond.torch.kfac.layers import (
     KFACLayer,
@@ -82,32 +93,6 @@ __all__ = [
 
 logger = logging.getLogger("precond.torch.kfac")
 
-
-class DistributedStrategy(enum.Enum):
-    """Preset gradient-worker fractions: COMM_OPT 1, HYBRID_OPT 1/2, MEM_OPT
-    1/world_size (KAISA's members and values)."""
-
-    COMM_OPT = 1
-    MEM_OPT = 2
-    HYBRID_OPT = 3
-
-
-class ComputeMethod(enum.Enum):
-    """Eigendecompositions ((G ⊗ A + λI)⁻¹) or damped inverses ((G+λI)⁻¹⊗(A+λI)⁻¹)."""
-
-    EIGEN = 1
-    INVERSE = 2
-
-
-class AssignmentStrategy(enum.Enum):
-    """Cost of a factor for load balancing: dim³ (compute) or dim² (memory)."""
-
-    COMPUTE = 1
-    MEMORY = 2
-
-
-Schedulable = Callable[[], float] | Callable[[int], float] | float
-
 # The hyperparameters KAISA keeps in ``param_groups[0]`` (what LR schedulers and
 # ``KFACParamScheduler`` change), besides the step count ``step``.
 _GROUP_HYPERPARAMETERS = (
@@ -120,51 +105,6 @@ _GROUP_HYPERPARAMETERS = (
 )
 
 
-def _takes_step(function: Callable) -> bool:
-    """Whether a schedule is called with the step count: KAISA 0.4 calls its
-    callables with no argument, KFACPreconditioner (later releases) with the step."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):  # builtins without a signature: as KAISA 0.4
-        return False
-    try:
-        signature.bind()
-    except TypeError:
-        return True
-    return False
-
-
-def _enum_member(name: str, value: Any, enum_type: type[enum.Enum]) -> enum.Enum:
-    if isinstance(value, enum_type):
-        return value
-    if isinstance(value, str) and value.upper() in enum_type.__members__:
-        return enum_type[value.upper()]
-    choices = ", ".join(f"{enum_type.__name__}.{m}" for m in enum_type.__members__)
-    raise ValueError(
-        f"Invalid {name}={value!r}: must be one of {choices} (or its name as a str)"
-    )
-
-
-def _grad_workers(fraction: Any, world_size: int) -> int:
-    """The number of gradient workers per layer for ``grad_worker_fraction``."""
-    if isinstance(fraction, DistributedStrategy):
-        return {
-            DistributedStrategy.COMM_OPT: world_size,
-            DistributedStrategy.HYBRID_OPT: max(1, world_size // 2),
-            DistributedStrategy.MEM_OPT: 1,
-        }[fraction]
-    check_real("grad_worker_fraction", fraction, low=0.0, high=1.0)
-    workers = max(1, round(world_size * fraction))
-    if world_size % workers:
-        raise ValueError(
-            f"Invalid grad_worker_fraction={fraction!r}: with world size "
-            f"{world_size} it gives {workers} gradient workers per layer, which "
-            "must divide the world size (use a DistributedStrategy, or a fraction "
-            "k/world_size with k dividing world_size)"
-        )
-    return workers
-
-
 def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
     """Whether a pattern matches the module's name or class name in full, ignoring
     case (KAISA compares lower-cased names)."""
@@ -175,113 +115,21 @@ def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
     )
 
 
-def _check_steps(name: str, value: Any) -> None:
-    if not callable(value):
-        check_int(name, value, low=1)
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
-def _check_optional_positive(name: str, value: Any) -> None:
-    if value is not None:
-        check_real(name, value, low=0.0, low_inclusive=False, allow_schedule=True)
+def _scheduled(name: str, convert: Callable[[Any], Any]) -> property:
+    """A read-only property: ``param_groups[0][name]`` (a schedulable
+    hyperparameter, evaluated at the current step), converted."""
+
+    def value(self: KFAC) -> Any:
+        return convert(self._value(name))
+
+    return property(value, doc=f"``{name}`` at the current step.")
 
 
-def _check_choice(enum_type: type[enum.Enum]) -> Callable[[str, Any], None]:
-    def check(name: str, value: Any) -> None:
-        _enum_member(name, value, enum_type)
-
-    return check
-
-
-def _check_grad_worker_fraction(name: str, value: Any) -> None:
-    if isinstance(value, DistributedStrategy):
-        return
-    if isinstance(value, enum.Enum):  # e.g. another library's enum
-        raise TypeError(
-            f"Invalid {name}={value!r}: must be a DistributedStrategy or a number"
-        )
-    check_real(name, value, low=0.0, high=1.0)
-
-
-def _check_grad_scaler(name: str, value: Any) -> None:
-    if value is not None and not (hasattr(value, "get_scale") or callable(value)):
-        raise TypeError(
-            f"Invalid {name}={value!r}: must be a GradScaler or a callable returning "
-            "the loss scale"
-        )
-
-
-def _check_dtype(name: str, value: Any) -> None:
-    if value is None and name == "factor_dtype":
-        return
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise TypeError(f"Invalid {name}={value!r}: must be a floating torch.dtype")
-    if name == "inv_dtype" and value not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"Invalid inv_dtype={value!r}: must be float32 or float64 (eigh and inv "
-            "do not run in half precision)"
-        )
-
-
-def _check_patterns(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if name == "skip_layers" and isinstance(value, str):
-        value = [value]  # KAISA takes one name as a str
-    kind = "a str or a list of str" if name == "skip_layers" else "a list of str"
-    if isinstance(value, str) or not isinstance(value, Sequence | set):
-        raise TypeError(f"Invalid {name}={value!r}: must be {kind}")
-    for pattern in value:
-        if not isinstance(pattern, str):
-            raise TypeError(f"Invalid {name}={value!r}: must be {kind}")
-        if name == "skip_layers":
-            try:
-                re.compile(pattern)
-            except re.error as error:
-                raise ValueError(
-                    f"Invalid {name}={value!r}: must be regular expressions "
-                    f"({pattern!r}: {error})"
-                ) from None
-
-
-def _positive_schedulable(name: str, value: Any) -> None:
-    check_real(name, value, low=0.0, low_inclusive=False, allow_schedule=True)
-
-
-# One row per constructor argument (after ``model``), in signature order: the check
-# raises ``Invalid <name>=<value!r>: must be <rule>`` (TypeError for a wrong type).
-_ARGUMENT_CHECKS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
-    ("factor_update_steps", _check_steps),
-    ("inv_update_steps", _check_steps),
-    ("damping", _positive_schedulable),
-    (
-        "factor_decay",
-        partial(
-            check_real, low=0.0, high=1.0, low_inclusive=False, allow_schedule=True
-        ),
-    ),
-    ("kl_clip", _check_optional_positive),
-    ("lr", partial(check_real, low=0.0, allow_schedule=True)),
-    ("accumulation_steps", partial(check_int, low=1)),
-    ("allreduce_bucket_cap_mb", partial(check_real, low=0.0)),
-    ("assignment_strategy", _check_choice(AssignmentStrategy)),
-    ("colocate_factors", check_bool),
-    ("compute_method", _check_choice(ComputeMethod)),
-    ("compute_eigenvalue_outer_product", check_bool),
-    ("grad_worker_fraction", _check_grad_worker_fraction),
-    ("symmetry_aware", check_bool),
-    ("grad_scaler", _check_grad_scaler),
-    ("factor_dtype", _check_dtype),
-    ("inv_dtype", _check_dtype),
-    ("skip_layers", _check_patterns),
-    ("update_factors_in_hook", check_bool),
-    ("verbose", check_bool),
-    ("loglevel", partial(check_int, low=0)),
-    ("layers", _check_patterns),
-    ("world_size_invariant", check_bool),
-)
-
-
-class KFAC(torch.optim.Optimizer):
+class KFAC(Checkpointing, torch.optim.Optimizer):
     """K-FAC gradient preconditioner with KAISA's distribution strategies.
 
     A ``torch.optim.Optimizer`` as KAISA's ``KFAC`` is: ``param_groups[0]`` holds
@@ -375,79 +223,76 @@ class KFAC(torch.optim.Optimizer):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Invalid model={model!r}: must be a torch.nn.Module")
         arguments = locals()
-        for name, check in _ARGUMENT_CHECKS:
-            check(name, arguments[name])
-        assignment_strategy = _enum_member(
-            "assignment_strategy", assignment_strategy, AssignmentStrategy
-        )
-        compute_method = _enum_member("compute_method", compute_method, ComputeMethod)
-        if (
-            compute_method is ComputeMethod.EIGEN
-            and compute_eigenvalue_outer_product
-            and not colocate_factors
-        ):
-            raise ValueError(
-                "Invalid colocate_factors=False: compute_eigenvalue_outer_product="
-                "True needs both factors of a layer on one rank (set "
-                "colocate_factors=True or compute_eigenvalue_outer_product=False)"
-            )
-        if isinstance(skip_layers, str):
-            skip_layers = [skip_layers]
-        if verbose:
-            loglevel = max(loglevel, logging.INFO)
-
-        defaults = dict(
-            damping=damping,
-            factor_decay=factor_decay,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            kl_clip=kl_clip,
-            lr=lr,
-            step=0,
-        )
+        assignment_strategy, compute_method = check_arguments(arguments)
+        defaults = {name: arguments[name] for name in _GROUP_HYPERPARAMETERS}
         # No parameters of its own: a placeholder, as torch.optim needs one.
-        super().__init__([torch.zeros(())], defaults)
+        super().__init__([torch.zeros(())], {**defaults, "step": 0})
         self._takes_step: dict[str, tuple[Callable, bool]] = {}
-        self.accumulation_steps = accumulation_steps
-        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
-        self.assignment_strategy = assignment_strategy
-        self.colocate_factors = colocate_factors
-        self.compute_method = compute_method
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.symmetry_aware = symmetry_aware
-        self.grad_scaler = grad_scaler
-        self.factor_dtype = factor_dtype
-        self.inv_dtype = inv_dtype
-        self.skip_layers = list(skip_layers or [])
-        self.update_factors_in_hook = update_factors_in_hook
-        self.verbose = verbose
-        self.loglevel = loglevel
-        self.world_size_invariant = world_size_invariant
+        self._set_options(arguments, assignment_strategy, compute_method)
         self._loss_scale: float | None = None  # cached for the step (AMP)
         self._warned_accumulation = False
+        self._build_grid(grad_worker_fraction)
+        self.layers = self._register(model, layers)
+        self._assign_work()
+        self._ready: dict[str, bool] = {l.name: False for l in self.layers}
+        self._hooks = [
+            l.module.register_forward_hook(partial(self._forward_hook, l))
+            for l in self.layers
+        ]
 
+    def _set_options(
+        self,
+        arguments: dict[str, Any],
+        assignment_strategy: AssignmentStrategy,
+        compute_method: ComputeMethod,
+    ) -> None:
+        """The constructor's options as attributes, by KAISA's names."""
+        self.accumulation_steps = arguments["accumulation_steps"]
+        self.allreduce_bucket_cap_mb = arguments["allreduce_bucket_cap_mb"]
+        self.assignment_strategy = assignment_strategy
+        self.colocate_factors = arguments["colocate_factors"]
+        self.compute_method = compute_method
+        self.compute_eigenvalue_outer_product = arguments[
+            "compute_eigenvalue_outer_product"
+        ]
+        self.symmetry_aware = arguments["symmetry_aware"]
+        self.grad_scaler = arguments["grad_scaler"]
+        self.factor_dtype = arguments["factor_dtype"]
+        self.inv_dtype = arguments["inv_dtype"]
+        skip_layers = arguments["skip_layers"]
+        if isinstance(skip_layers, str):  # KAISA takes one name as a str
+            skip_layers = [skip_layers]
+        self.skip_layers = list(skip_layers or [])
+        self.update_factors_in_hook = arguments["update_factors_in_hook"]
+        self.verbose = arguments["verbose"]
+        loglevel = arguments["loglevel"]
+        self.loglevel = max(loglevel, logging.INFO) if self.verbose else loglevel
+        self.world_size_invariant = arguments["world_size_invariant"]
+
+    def _build_grid(self, grad_worker_fraction: Any) -> None:
+        """The communicator and the grid of workers; KAISA's attributes
+        ``grad_worker_fraction`` (a number) and ``distributed_strategy``."""
         self.communicator = Communicator(
-            bucket_cap_mb=allreduce_bucket_cap_mb, symmetry_aware=symmetry_aware
+            bucket_cap_mb=self.allreduce_bucket_cap_mb,
+            symmetry_aware=self.symmetry_aware,
         )
         world = self.communicator.world_size
         self.grid = WorkerGrid(world, _grad_workers(grad_worker_fraction, world))
-        # KAISA's attributes: the fraction as a number, and the strategy it is.
         self.grad_worker_fraction = self.grid.grad_workers / world
-        if self.grid.grad_workers == world:
-            self.distributed_strategy = DistributedStrategy.COMM_OPT
-        elif self.grid.grad_workers == 1:
-            self.distributed_strategy = DistributedStrategy.MEM_OPT
-        else:
-            self.distributed_strategy = DistributedStrategy.HYBRID_OPT
+        self.distributed_strategy = distributed_strategy(self.grid.grad_workers, world)
 
-        self.layers = self._register(model, layers)
-        power = 3 if assignment_strategy is AssignmentStrategy.COMPUTE else 2
+    def _assign_work(self) -> None:
+        """Each layer's inverse and gradient workers (balanced by dim³ or dim²),
+        and the process groups of the grid's columns and rows."""
+        power = 3 if self.assignment_strategy is AssignmentStrategy.COMPUTE else 2
         self.assignment: dict[str, LayerWork] = assign_layers(
             {l.name: (l.a_dim**power, l.g_dim**power) for l in self.layers},
             self.grid,
-            colocate_factors=colocate_factors,
+            colocate_factors=self.colocate_factors,
         )
-        logger.log(loglevel, "K-FAC grid %s, assignment %s", self.grid, self.assignment)
+        logger.log(
+            self.loglevel, "K-FAC grid %s, assignment %s", self.grid, self.assignment
+        )
         # Every rank creates every group, in the same order.
         self._column_groups = [
             self.communicator.new_group(self.grid.column_ranks(c))
@@ -456,11 +301,6 @@ class KFAC(torch.optim.Optimizer):
         self._row_groups = [
             self.communicator.new_group(self.grid.row_ranks(r))
             for r in range(self.grid.grad_workers)
-        ]
-        self._ready: dict[str, bool] = {l.name: False for l in self.layers}
-        self._hooks = [
-            l.module.register_forward_hook(partial(self._forward_hook, l))
-            for l in self.layers
         ]
 
     # -- registration --
@@ -547,30 +387,12 @@ class KFAC(torch.optim.Optimizer):
         """Number of ``step()`` calls so far."""
         return self._steps
 
-    @property
-    def factor_update_steps(self) -> int:
-        return int(self._value("factor_update_steps"))
-
-    @property
-    def inv_update_steps(self) -> int:
-        return int(self._value("inv_update_steps"))
-
-    @property
-    def damping(self) -> float:
-        return float(self._value("damping"))
-
-    @property
-    def factor_decay(self) -> float:
-        return float(self._value("factor_decay"))
-
-    @property
-    def kl_clip(self) -> float | None:
-        value = self._value("kl_clip")
-        return None if value is None else float(value)
-
-    @property
-    def lr(self) -> float:
-        return float(self._value("lr"))
+    factor_update_steps = _scheduled("factor_update_steps", int)
+    inv_update_steps = _scheduled("inv_update_steps", int)
+    damping = _scheduled("damping", float)
+    factor_decay = _scheduled("factor_decay", float)
+    kl_clip = _scheduled("kl_clip", _float_or_none)
+    lr = _scheduled("lr", float)
 
     def __repr__(self) -> str:
         group = self.param_groups[0]
@@ -880,254 +702,6 @@ class KFAC(torch.optim.Optimizer):
         tensors = [t for l in self.layers for t in (l.A, l.G) if t is not None]
         tensors += [t for l in self.layers for t in l.second_order.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-    # -- checkpoints --
-    _HYPERPARAMETERS = (
-        "factor_update_steps",
-        "inv_update_steps",
-        "damping",
-        "factor_decay",
-        "kl_clip",
-        "lr",
-    )
-
-    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
-        """What :meth:`load_state_dict` needs to continue the run exactly.
-
-        KAISA's keys: ``steps``, the hyperparameters that are not callables, and
-        (with ``include_factors``, the default) ``layers``: every layer's running
-        factors ``{"A": ..., "G": ...}`` by name. precond adds, with the factors,
-        ``second_order``: the decompositions (or inverses) this rank holds, by layer
-        name, as computed at the last inverse-update step, and ``ready``: the names
-        of the layers that had them. They were computed from the factors of that
-        step, which later factor updates have changed, so recomputing them from the
-        saved factors would not continue the run as it would have gone on; loading
-        them does, bit for bit, whatever the step of the checkpoint.
-
-        Every tensor is a copy; the dict holds only tensors, numbers, strings,
-        lists and dicts, so ``torch.save``/``torch.load(weights_only=True)``,
-        ``copy.deepcopy`` and ``pickle`` all work. Data parallel: save rank 0's
-        dict; with ``grad_worker_fraction < 1`` a rank holds the second-order
-        data of its own column only, and ranks of other columns recompute theirs
-        from the factors on load (see :meth:`load_state_dict`).
-        """
-        state: dict[str, Any] = {"steps": self._steps}
-        for name in self._HYPERPARAMETERS:
-            value = self.param_groups[0][name]
-            if not callable(value):
-                state[name] = value
-        if include_factors:
-            state["layers"] = {
-                l.name: {
-                    "A": None if l.A is None else l.A.clone(),
-                    "G": None if l.G is None else l.G.clone(),
-                }
-                for l in self.layers
-            }
-            state["ready"] = [l.name for l in self.layers if self._ready[l.name]]
-            state["second_order"] = {
-                l.name: {key: t.clone() for key, t in l.second_order.items()}
-                for l in self.layers
-                if self._ready[l.name] and l.second_order
-            }
-        return state
-
-    def _mismatch(self, entry: str, problem: str) -> ValueError:
-        return ValueError(
-            f"K-FAC state_dict does not match the model: {entry} {problem} (a "
-            "checkpoint of another model, or of K-FAC registering other layers?)"
-        )
-
-    def _check_tensor(self, entry: str, value: Any, shape: tuple) -> None:
-        if not isinstance(value, torch.Tensor):
-            kind = type(value).__name__
-            raise self._mismatch(entry, f"is a {kind}, expected a tensor of {shape}")
-        if tuple(value.shape) != shape:
-            raise self._mismatch(
-                entry, f"has shape {tuple(value.shape)}, expected {shape}"
-            )
-        if not value.is_floating_point():
-            raise self._mismatch(entry, f"has dtype {value.dtype}, expected a float")
-
-    def _saved_second_order(self, state_dict: Mapping[str, Any]) -> bool:
-        """Checks the saved second-order data; True if it holds everything this
-        rank's column needs (the same answer on every rank of a column)."""
-        ready, saved = state_dict.get("ready"), state_dict.get("second_order")
-        if ready is None or saved is None:
-            return False
-        names = {l.name for l in self.layers}
-        if not isinstance(ready, list | tuple) or not set(ready) <= names:
-            raise self._mismatch("'ready'", f"is {ready!r}, expected layer names")
-        for name in ready:
-            factors = state_dict["layers"][name]
-            if factors["A"] is None or factors["G"] is None:
-                raise self._mismatch(f"ready layer {name!r}", "has no factors")
-        if not isinstance(saved, Mapping) or not set(saved) <= set(ready):
-            raise self._mismatch(
-                "'second_order'", "is not a dict from ready layers' names to tensors"
-            )
-        complete = True
-        my_column = self.grid.column_of(self.communicator.rank)
-        for layer in self.layers:
-            held = saved.get(layer.name)
-            layout = {key: shape for key, _, shape in self._second_order_layout(layer)}
-            if held is None:
-                mine = self.assignment[layer.name].column == my_column
-                complete &= not (mine and layer.name in ready)
-                continue
-            if not isinstance(held, Mapping) or set(held) != set(layout):
-                # Another compute method (or its prediv option): recompute.
-                complete = False
-                continue
-            for key, shape in layout.items():
-                entry = f"second_order[{layer.name!r}][{key!r}]"
-                self._check_tensor(entry, held[key], shape)
-        return complete
-
-    def _from_kaisa_format(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """A KAISA 0.4 state dict (torch.optim's ``param_groups`` holding the step
-        count and the hyperparameters, ``layers`` a list of ``{"A", "G"}`` in
-        registration order) as the dict :meth:`state_dict` returns."""
-        groups = state_dict["param_groups"]
-        if not isinstance(groups, Sequence) or len(groups) != 1:
-            raise self._mismatch("'param_groups'", "is not a list of one group")
-        group = groups[0]
-        converted: dict[str, Any] = {"steps": group.get("step", 0)}
-        for name in self._HYPERPARAMETERS:
-            if name in group and not callable(group[name]):
-                converted[name] = group[name]
-        layers = state_dict.get("layers")
-        if layers is None:
-            return converted
-        if isinstance(layers, Mapping):
-            converted["layers"] = layers
-            return converted
-        if not isinstance(layers, Sequence) or len(layers) != len(self.layers):
-            count = len(layers) if isinstance(layers, Sequence) else layers
-            raise ValueError(
-                f"K-FAC state_dict does not match the registered layers: it has "
-                f"{count} layers, K-FAC registered {len(self.layers)}"
-            )
-        converted["layers"] = {}
-        for layer, saved in zip(self.layers, layers, strict=True):
-            if not isinstance(saved, Mapping):
-                raise self._mismatch(f"layer {layer.name!r}", "is not a dict")
-            converted["layers"][layer.name] = {
-                attr: saved.get(attr, saved.get(f"{attr}_factor")) for attr in "AG"
-            }
-        return converted
-
-    def load_state_dict(
-        self, state_dict: dict[str, Any], compute_inverses: bool = True
-    ) -> None:
-        """Restores a :meth:`state_dict`.
-
-        The whole dict is checked before anything changes: a dict whose layers
-        are not the registered ones, or whose factors or second-order data do not
-        have this model's shapes (another model's checkpoint), raises
-        ``ValueError`` naming the first mismatching entry, e.g.
-        ``layers['fc']['A'] has shape (9, 9), expected (5, 5)``.
-
-        Second-order data (decompositions or inverses):
-
-        * a precond dict whose ``second_order`` holds everything this rank's
-          column uses (as saved: same compute method) is loaded as is, and the
-          run continues bit-identically to the one that saved it;
-        * otherwise (a KAISA-format dict with factors only, another compute
-          method, another column's data) it is recomputed from the saved
-          factors, unless ``compute_inverses=False``: then no layer is
-          preconditioned until the next inverse-update step. Recomputing is
-          exact only for a checkpoint taken right before an inverse-update step
-          (``steps % inv_update_steps == 0``): at any other step the factors have
-          moved on since the decompositions in use were computed.
-
-        A dict without factors (``include_factors=False``) restores ``steps`` and
-        the hyperparameters only.
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"Invalid state_dict of type {type(state_dict).__name__}: must be a "
-                "dict from KFAC.state_dict()"
-            )
-        if "param_groups" in state_dict:
-            state_dict = self._from_kaisa_format(state_dict)
-        check_int("steps", state_dict.get("steps"), low=0)
-        checks = dict(_ARGUMENT_CHECKS)
-        for name in self._HYPERPARAMETERS:
-            if name in state_dict:
-                checks[name](name, state_dict[name])
-        layers = state_dict.get("layers")
-        exact = False
-        if layers is not None:
-            if not isinstance(layers, Mapping):
-                raise self._mismatch("'layers'", "is not a dict by layer name")
-            saved, registered = set(layers), {l.name for l in self.layers}
-            if saved != registered:
-                missing = [l.name for l in self.layers if l.name not in saved]
-                unexpected = [name for name in layers if name not in registered]
-                raise ValueError(
-                    "K-FAC state_dict does not match the registered layers: "
-                    f"missing {missing}, unexpected {unexpected}"
-                )
-            for layer in self.layers:
-                factors = layers[layer.name]
-                for attr, dim in (("A", layer.a_dim), ("G", layer.g_dim)):
-                    entry = f"layers[{layer.name!r}][{attr!r}]"
-                    if not isinstance(factors, Mapping) or attr not in factors:
-                        raise self._mismatch(entry, "is missing")
-                    if factors[attr] is not None:
-                        self._check_tensor(entry, factors[attr], (dim, dim))
-            exact = self._saved_second_order(state_dict)
-
-        self._steps = int(state_dict["steps"])
-        for name in self._HYPERPARAMETERS:
-            if name in state_dict:
-                self.param_groups[0][name] = state_dict[name]
-        if layers is None:
-            if compute_inverses:
-                warnings.warn(
-                    "K-FAC state_dict has no factors: decompositions are not "
-                    "recomputed (they will be at the next inverse-update step)",
-                    stacklevel=2,
-                )
-            return
-        for layer in self.layers:
-            for attr in ("A", "G"):
-                saved_factor = layers[layer.name][attr]
-                if saved_factor is not None:
-                    saved_factor = saved_factor.to(  # a copy: folds are in place
-                        dtype=self._dtype(layer),
-                        device=layer.module.weight.device,
-                        copy=True,
-                    )
-                setattr(layer, attr, saved_factor)
-            layer.clear_contributions()
-            layer.second_order.clear()
-        if exact:
-            my_column = self.grid.column_of(self.communicator.rank)
-            for layer in self.layers:
-                if self.assignment[layer.name].column != my_column:
-                    continue
-                held = state_dict["second_order"].get(layer.name, {})
-                for key, tensor in held.items():
-                    layer.second_order[key] = tensor.to(
-                        dtype=self.inv_dtype,
-                        device=layer.module.weight.device,
-                        copy=True,
-                    )
-        elif compute_inverses:
-            logger.log(
-                self.loglevel,
-                "K-FAC recomputes the decompositions from the loaded factors",
-            )
-            self._update_second_order()
-        else:
-            self._ready = dict.fromkeys(self._ready, False)
-            return
-        if "ready" in state_dict:
-            # As saved, on every rank (each column may have taken another branch).
-            ready = set(state_dict["ready"])
-            self._ready = {l.name: l.name in ready for l in self.layers}
 
 
 # KAISA ≥ 0.4 names the class ``kfac.preconditioner.KFACPreconditioner``.
