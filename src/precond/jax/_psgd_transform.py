@@ -15,14 +15,17 @@ all of them:
    (1−β₁)g/(1−β₁ⁿ)).
 3. U = P·m̂, clipped to the global norm ``update_global_norm_clip``.
 
-A step whose gradient (or Hvp) has a NaN or ±Inf entry returns zeros and leaves
-the state unchanged; a fit that overflows (a finite but huge gradient) keeps the
-old factors.
+Counting and skipping follow the JAX step policy (:mod:`._step_policy`): a step
+whose gradient (or Hvp) is unusable (a NaN or ±Inf entry, or a squared norm that
+overflows) returns zeros and leaves the state unchanged, count included; a fit
+that still overflows keeps the old factors. The random draws are psgd-jax's,
+from a key carried in the state (the policy's seed-compatible exception).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
 from optax import tree_utils as otu
 
@@ -41,15 +45,26 @@ from precond._common.validation import (
     is_concrete_number,
 )
 from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
+from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._guards import (
     all_finite,
     check_parameter_dtypes,
     check_state_matches,
-    gradients_are_usable,
 )
-from precond.jax._kron_math import complex_dtype, is_complex
+from precond.jax._kron_math import complex_dtype, is_complex, squared_magnitude
 from precond.jax._kron_sharding import explicit_specs
-from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
+from precond.jax._precision import (
+    MATMUL_PRECISIONS,
+    check_floating_dtype,
+    matmul_precision,
+)
+from precond.jax._step_policy import (
+    keep_if_overflowed,
+    next_count,
+    state_unless_skipped,
+    step_is_usable,
+    zeros_unless_usable,
+)
 from precond.jax.hessian import newton_arguments
 
 STEP_NORMALIZER_ORDERS = ("1st", "2nd")
@@ -103,6 +118,77 @@ def flat_size_and_dtype(params: Any) -> tuple[int, jnp.dtype]:
     return n, jnp.dtype(dtype)
 
 
+def first_fit_scale(h: jax.Array, v: jax.Array | None, power: float) -> jax.Array:
+    """(Σ|v|²/Σ|h|²)^power, the automatic initial scale of Q at the first fit
+    (P·h ≈ v in size): Σ|v|² of the caller's v, or n = h.size, its expectation
+    for whitening noise v ~ N(0, I), when ``v`` is None."""
+    real = jnp.finfo(h.dtype).dtype
+    v_energy = jnp.asarray(h.size, real) if v is None else jnp.sum(squared_magnitude(v))
+    h_energy = jnp.sum(squared_magnitude(h)) + jnp.finfo(real).tiny
+    return (v_energy / h_energy) ** power
+
+
+def flattened_preconditioner(
+    init_vector: Callable[[int, Any, float, jax.Array], tuple[Any, jax.Array]],
+    fit_vector: Callable[..., Any],
+    precondition_vector: Callable[..., jax.Array],
+    *,
+    precision: str | None,
+    name: str,
+    fit_uses_key: bool = False,
+) -> Preconditioner:
+    """A :class:`Preconditioner` of all parameters flattened into one vector of
+    n entries (XMat, LRA), its factors in promote(params dtype, float32).
+
+    ``init_vector(n, dtype, scale, key) -> (factors, key)``;
+    ``fit_vector(factors, h, v, lr, rescale, key) -> factors`` on the flat h
+    and v (v ~ N(0, I) in whitening, drawn by the transform) in the factors'
+    dtype, where ``rescale(x)`` is x·(Σv²/Σh²)^{1/4} at the first fit with
+    automatic scaling (:func:`first_fit_scale`), else x;
+    ``precondition_vector(*factors, g) -> P·g``. The fit and P·g run under
+    ``precision`` and the named scopes precond/<name>/update and
+    precond/<name>/precondition.
+    """
+
+    def init(params, scale, key):
+        n, dtype = flat_size_and_dtype(params)
+        dtype = jnp.promote_types(dtype, jnp.float32) if n else jnp.float32
+        return init_vector(n, dtype, scale, key)
+
+    def fit(factors, h, v, lr, first, key, newton):
+        if flat_size_and_dtype(h)[0] == 0:  # no parameters: nothing to fit
+            return factors
+        fit_flat_newton = functools.partial(fit_flat, newton=newton)
+        return with_auto_axes(fit_flat_newton, factors, factors, h, v, lr, first, key)
+
+    def fit_flat(factors, h, v, lr, first, key, newton):
+        dtype = jax.tree.leaves(factors)[0].dtype
+        h = ravel_pytree(h)[0].astype(dtype)
+        v = ravel_pytree(v)[0].astype(dtype)
+        # Whitening: E[Σv²] = n stands for the drawn Σv² (as psgd-jax).
+        scale = first_fit_scale(h, v if newton else None, 0.25)
+
+        def rescale(x):
+            return jnp.where(first, x * scale, x)
+
+        with matmul_precision(precision), jax.named_scope(f"precond/{name}/update"):
+            return fit_vector(factors, h, v, lr, rescale, key)
+
+    def apply(factors, m):
+        return with_auto_axes(apply_flat, m, factors, m)
+
+    def apply_flat(factors, m):
+        flat, unravel = ravel_pytree(m)
+        g = flat.astype(jax.tree.leaves(factors)[0].dtype)
+        with (
+            matmul_precision(precision),
+            jax.named_scope(f"precond/{name}/precondition"),
+        ):
+            return unravel(precondition_vector(*factors, g))
+
+    return Preconditioner(init, fit, apply, fit_uses_key=fit_uses_key)
+
+
 def with_auto_axes(body: Callable, out_like: Any, *args) -> Any:
     """``body(*args)``; when some argument lives on a mesh with Explicit axes
     (sharding in types), under ``jax.sharding.auto_axes``: the compiler places
@@ -151,6 +237,34 @@ PSGD_ARGUMENT_CHECKS = {
 }
 
 
+def psgd_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The arguments :func:`scale_by_psgd` takes besides the preconditioner,
+    picked from a variant's ``locals()``."""
+    return {name: arguments[name] for name in PSGD_ARGUMENT_CHECKS}
+
+
+def arguments_for(function: Callable, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``arguments`` (an alias's ``locals()``) that ``function``
+    takes, by name: how an alias passes its arguments on to its ``scale_by_*``."""
+    names = inspect.signature(function).parameters
+    return {name: value for name, value in arguments.items() if name in names}
+
+
+def psgd_alias(
+    scale_by: Callable, arguments: dict[str, Any]
+) -> optax.GradientTransformationExtraArgs:
+    """A psgd-jax alias from its ``locals()``: ``chain(scale_by(...),
+    add_decayed_weights, scale_by_learning_rate)``, θ ← θ − lr·(U + λ·mask⊙θ)."""
+    core = scale_by(**arguments_for(scale_by, arguments))
+    return with_decay_and_learning_rate(
+        core,
+        arguments["learning_rate"],
+        arguments["weight_decay"],
+        arguments["mask"],
+        mask_name="mask",
+    )
+
+
 def check_psgd_arguments(**arguments) -> None:
     """Construction-time checks of the arguments every PSGD variant shares."""
     for name, check in PSGD_ARGUMENT_CHECKS.items():
@@ -189,6 +303,104 @@ def momentum_dtype(mu_dtype: Any | None, param: Any) -> jnp.dtype:
     return complex_dtype(dtype) if is_complex(param) else dtype
 
 
+def init_psgd_state(
+    preconditioner: Preconditioner,
+    params: Any,
+    *,
+    keep_momentum: bool,
+    mu_dtype: Any | None,
+    scale: float,
+    seed: jax.Array | int | None,
+) -> PSGDState:
+    """The state before the first step: m = 0 (when kept), Q = scale·I (or the
+    preconditioner's random start, drawn from the seed's key), counters 0."""
+    check_parameter_dtypes(params, "PSGD", complex_ok=True)
+    mu = None
+    if keep_momentum:
+        mu = jax.tree.map(
+            lambda p: jnp.zeros_like(p, dtype=momentum_dtype(mu_dtype, p)), params
+        )
+    factors, key = preconditioner.init(params, scale, key_from_seed(seed))
+    return PSGDState(
+        count=jnp.zeros([], jnp.int32),
+        key=key,
+        mu=mu,
+        preconditioner=factors,
+        updates=jnp.zeros([], jnp.int32),
+    )
+
+
+def fit_pair_and_decision(
+    preconditioner: Preconditioner,
+    updates: Any,
+    state: PSGDState,
+    newton: dict | None,
+    probability: float,
+) -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
+    """(h, v, do_update, key, usable) of one step.
+
+    Newton mode: the caller's (Hvp, vector, update_preconditioner). Whitening:
+    h = the gradient; psgd-jax's draws from the state's key, in its order: the
+    decision (u < p, or one of the first two steps), then (XMat, LRA) v like
+    the gradients. ``usable`` is the step policy's test of g (and Hvp).
+    """
+    if newton is not None:
+        h, v = newton["Hvp"], newton["vector"]
+        do_update = jnp.asarray(newton["update_preconditioner"], bool)
+        return h, v, do_update, state.key, step_is_usable(updates, h)
+    key, decision_key = jax.random.split(state.key)
+    do_update = (jax.random.uniform(decision_key) < probability) | (state.count < 2)
+    v = None
+    if preconditioner.draws_vector:
+        key, vector_key = jax.random.split(key)
+        v = optax.tree.random_like(vector_key, updates, jax.random.normal)
+    return updates, v, do_update, key, step_is_usable(updates)
+
+
+def fit_if(
+    preconditioner: Preconditioner,
+    factors: Any,
+    fit_now: jax.Array,
+    key: jax.Array,
+    fit: Callable[[Any, jax.Array | None], Any],
+) -> tuple[Any, jax.Array, jax.Array]:
+    """(factors, key, fitted): ``fit(factors, fit_key)`` when ``fit_now``, else
+    the factors as they are. A fit splits its subkey off ``key`` when the
+    preconditioner uses one; a fit that overflows keeps the old factors
+    (``fitted`` is False then)."""
+    fit_key = None
+    if preconditioner.fit_uses_key:
+        key_after_fit, fit_key = jax.random.split(key)
+        key = jnp.where(fit_now, key_after_fit, key)
+    new = jax.lax.cond(fit_now, lambda f: fit(f, fit_key), lambda f: f, factors)
+    fitted = all_finite(new)
+    return keep_if_overflowed(new, factors), key, fitted
+
+
+def momentum_estimate(
+    updates: Any, mu: Any, b1: float, nesterov: bool, count: jax.Array
+) -> tuple[Any, Any]:
+    """(new m, m̂): m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ); Nesterov (Dozat, as
+    psgd-jax): m̂ = β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ). m keeps its dtype."""
+    moment = otu.tree_update_moment(updates, mu, b1, 1)
+    if nesterov:
+        m_hat = jax.tree.map(
+            lambda m, g: b1 * m + (1 - b1) * g,
+            otu.tree_bias_correction(moment, b1, count + 1),
+            otu.tree_bias_correction(updates, b1, count),
+        )
+    else:
+        m_hat = otu.tree_bias_correction(moment, b1, count)
+    return jax.tree.map(lambda m, old: m.astype(old.dtype), moment, mu), m_hat
+
+
+def clip_to_global_norm(U: Any, max_norm: float | None) -> Any:
+    """U scaled down to global norm ``max_norm`` if above it (None: U)."""
+    if max_norm is None:
+        return U
+    return optax.clip_by_global_norm(max_norm).update(U, optax.EmptyState())[0]
+
+
 def scale_by_psgd(
     preconditioner: Preconditioner,
     *,
@@ -215,102 +427,50 @@ def scale_by_psgd(
     auto_scale = precond_init_scale is None
 
     def init_fn(params):
-        check_parameter_dtypes(params, "PSGD", complex_ok=True)
-        mu = None
-        if keep_momentum:
-            mu = jax.tree.map(
-                lambda p: jnp.zeros_like(p, dtype=momentum_dtype(mu_dtype, p)), params
-            )
-        scale = 1.0 if auto_scale else precond_init_scale
-        factors, key = preconditioner.init(params, scale, key_from_seed(seed))
-        return PSGDState(
-            count=jnp.zeros([], jnp.int32),
-            key=key,
-            mu=mu,
-            preconditioner=factors,
-            updates=jnp.zeros([], jnp.int32),
+        return init_psgd_state(
+            preconditioner,
+            params,
+            keep_momentum=keep_momentum,
+            mu_dtype=mu_dtype,
+            scale=1.0 if auto_scale else precond_init_scale,
+            seed=seed,
         )
 
     def update_fn(updates, state: PSGDState, params=None, **extra_args):
         check_state_matches(state, init_fn, params, updates, "PSGD")
         del params
         newton = newton_arguments(updates, extra_args)
-        key = state.key
-        if newton is not None:
-            h, v = newton["Hvp"], newton["vector"]
-            do_update = jnp.asarray(newton["update_preconditioner"], bool)
-            finite = gradients_are_usable(updates, h)
-        else:
-            # psgd-jax's draws: the decision, then (XMat, LRA) v like the
-            # gradients; the first two steps always fit.
-            key, decision_key = jax.random.split(key)
-            do_update = (
-                jax.random.uniform(decision_key) < preconditioner_update_probability
-            ) | (state.count < 2)
-            h, v = updates, None
-            if preconditioner.draws_vector:
-                key, vector_key = jax.random.split(key)
-                v = optax.tree.random_like(vector_key, updates, jax.random.normal)
-            finite = gradients_are_usable(updates)
-        count = state.count + 1
+        h, v, do_update, key, usable = fit_pair_and_decision(
+            preconditioner, updates, state, newton, preconditioner_update_probability
+        )
+        count = next_count(state.count)
         lr = precond_lr(count) if callable(precond_lr) else precond_lr
         first = (state.updates == 0) & auto_scale
-        fit_key = None
-        if preconditioner.fit_uses_key:
-            key_after_fit, fit_key = jax.random.split(key)
-            key = jnp.where(do_update & finite, key_after_fit, key)
 
-        def fit(factors):
+        def fit(factors, fit_key):
             return preconditioner.fit(
                 factors, h, v, lr, first, fit_key, newton is not None
             )
 
-        factors = jax.lax.cond(
-            do_update & finite, fit, lambda f: f, state.preconditioner
+        fit_now = do_update & usable
+        factors, key, fitted = fit_if(
+            preconditioner, state.preconditioner, fit_now, key, fit
         )
-        # A fit can still overflow (e.g. on a huge Hessian-vector product): keep
-        # the old Q.
-        fit_finite = all_finite(factors)
-        factors = jax.tree.map(
-            lambda new, old: jnp.where(fit_finite, new, old),
-            factors,
-            state.preconditioner,
-        )
+        mu, m_hat = None, updates
         if keep_momentum:
-            # m ← β₁m + (1−β₁)g; m̂ = m/(1−β₁ⁿ); Nesterov (Dozat): m̂ =
-            # β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ), as psgd-jax.
-            moment = otu.tree_update_moment(updates, state.mu, b1, 1)
-            if nesterov:
-                m_hat = jax.tree.map(
-                    lambda m, g: b1 * m + (1 - b1) * g,
-                    otu.tree_bias_correction(moment, b1, count + 1),
-                    otu.tree_bias_correction(updates, b1, count),
-                )
-            else:
-                m_hat = otu.tree_bias_correction(moment, b1, count)
-            mu = jax.tree.map(lambda m, old: m.astype(old.dtype), moment, state.mu)
-        else:
-            mu, m_hat = None, updates
-        U = preconditioner.apply(factors, m_hat)
-        if update_global_norm_clip is not None:
-            U, _ = optax.clip_by_global_norm(update_global_norm_clip).update(
-                U, optax.EmptyState()
-            )
-        new_updates = jax.tree.map(
-            lambda u, g: jnp.where(finite, u, 0).astype(g.dtype), U, updates
+            mu, m_hat = momentum_estimate(updates, state.mu, b1, nesterov, count)
+        U = clip_to_global_norm(
+            preconditioner.apply(factors, m_hat), update_global_norm_clip
         )
         new_state = PSGDState(
             count=count,
             key=key,
             mu=mu,
             preconditioner=factors,
-            updates=state.updates + (do_update & finite & fit_finite).astype(jnp.int32),
+            updates=state.updates + (fit_now & fitted).astype(jnp.int32),
         )
-        # A non-finite gradient leaves everything as it was (the fit is already
-        # skipped; momentum and counters are reverted here).
-        new_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), new_state, state
+        return zeros_unless_usable(usable, U, updates), state_unless_skipped(
+            usable, new_state, state
         )
-        return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -29,11 +29,13 @@ import optax
 
 from precond._common.validation import check_bool, check_int
 from precond.jax import _kron_math as km
-from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._guards import is_params_placeholder
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
+    first_fit_scale,
+    psgd_alias,
+    psgd_arguments,
     scale_by_psgd,
     with_auto_axes,
 )
@@ -310,110 +312,134 @@ def affine_preconditioner(
     by psgd-jax's rule (:func:`integrates_noise_out`), else drawn per leaf. Each
     leaf's draws come from its share of ``key`` in psgd-jax's order.
     """
-
-    def views(tree):
-        return [
-            to_matrix(x, matrix_view_plan(x.shape, permute_axes))
-            for x in jax.tree.leaves(tree)
-        ]
-
-    def init(params, scale, key):
-        if is_params_placeholder(params):
-            # optax.tree.map_params: a leaf in place of the per-parameter factors
-            # (a prefix of them), so that they are not taken for params.
-            return jnp.zeros((0,), jnp.float32), key
-
-        def leaf_factors(p):
-            dtype = jnp.promote_types(p.dtype, jnp.float32)
-            return init_factors(
-                matrix_view_plan(p.shape, permute_axes)[1],
-                scale,
-                dtype,
-                max_size_triangular,
-                max_skew_triangular,
-            )
-
-        return jax.tree.map(leaf_factors, params), key
-
-    def fit_leaf(factors, h, v, lr, first, key, newton):
-        if h.size == 0:
-            return factors
-        dtype = factors.left.dtype
-        h = h.astype(dtype)
-        if newton:
-            v = v.astype(dtype)
-            v_energy = jnp.sum(km.squared_magnitude(v))
-        else:
-            v_energy = jnp.asarray(h.size, km.real_dtype(dtype))
-        tiny = jnp.finfo(dtype).tiny
-        scale = (v_energy / (jnp.sum(km.squared_magnitude(h)) + tiny)) ** 0.125
-        factors = AffineFactors(*(jnp.where(first, Q * scale, Q) for Q in factors))
-        # psgd-jax's draws from the leaf's key: v (when sampled), then the
-        # balancing decision.
-        if not newton and not integrates_noise_out(factors):
-            key, v_key = jax.random.split(key)
-            v = optax.tree.random_like(v_key, h, jax.random.normal)
-            key = jax.random.split(key)[1]
-        factors = affine_update(factors, h, v, lr, step_normalizer_order)
-        balance = jax.random.uniform(jax.random.split(key)[1]) < BALANCE_PROBABILITY
-        # Balancing only rescales (O(d²) work): a select, not a branch.
-        balanced = km.balance_factors(list(factors))
-        return AffineFactors(
-            *(jnp.where(balance, b, Q) for b, Q in zip(balanced, factors, strict=True))
-        )
+    init = functools.partial(
+        _init_all,
+        permute_axes=permute_axes,
+        max_size_triangular=max_size_triangular,
+        max_skew_triangular=max_skew_triangular,
+    )
+    fit_all = functools.partial(
+        _fit_all,
+        step_normalizer_order=step_normalizer_order,
+        precision=precision,
+        permute_axes=permute_axes,
+    )
+    apply_all = functools.partial(
+        _apply_all, precision=precision, permute_axes=permute_axes
+    )
 
     def fit(factors, h, v, lr, first, key, newton):
-        return with_auto_axes(
-            functools.partial(fit_all, newton=newton),
-            factors,
-            factors,
-            h,
-            v,
-            lr,
-            first,
-            key,
-        )
-
-    def fit_all(factors, h, v, lr, first, key, newton):
-        treedef = jax.tree.structure(h)
-        leaf_factors = treedef.flatten_up_to(factors)
-        keys = jax.random.split(key, max(len(leaf_factors), 1))
-        vs = views(v) if newton else [None] * len(leaf_factors)
-        with matmul_precision(precision), jax.named_scope("precond/affine/fit"):
-            new = [
-                fit_leaf(f, h_leaf, v_leaf, lr, first, k, newton)
-                for f, h_leaf, v_leaf, k in zip(
-                    leaf_factors, views(h), vs, keys[: len(leaf_factors)], strict=True
-                )
-            ]
-        return treedef.unflatten(new)
+        fit_newton = functools.partial(fit_all, newton=newton)
+        return with_auto_axes(fit_newton, factors, factors, h, v, lr, first, key)
 
     def apply(factors, m):
         return with_auto_axes(apply_all, m, factors, m)
 
-    def apply_all(factors, m):
-        leaves, treedef = jax.tree.flatten(m)
-        leaf_factors = treedef.flatten_up_to(factors)
-        with (
-            matmul_precision(precision),
-            jax.named_scope("precond/affine/precondition"),
-        ):
-            out = [
-                from_matrix(
-                    affine_precondition(
-                        f,
-                        to_matrix(x, matrix_view_plan(x.shape, permute_axes)).astype(
-                            f.left.dtype
-                        ),
-                    ),
-                    matrix_view_plan(x.shape, permute_axes),
-                    x.shape,
-                )
-                for f, x in zip(leaf_factors, leaves, strict=True)
-            ]
-        return treedef.unflatten(out)
-
     return Preconditioner(init, fit, apply, draws_vector=False, fit_uses_key=True)
+
+
+def _init_all(
+    params, scale, key, *, permute_axes, max_size_triangular, max_skew_triangular
+):
+    """Q = scale·I for every leaf (:func:`init_factors` of its matrix view); the
+    key is returned unused."""
+    if is_params_placeholder(params):
+        # optax.tree.map_params: a leaf in place of the per-parameter factors
+        # (a prefix of them), so that they are not taken for params.
+        return jnp.zeros((0,), jnp.float32), key
+
+    def leaf_factors(p):
+        return init_factors(
+            matrix_view_plan(p.shape, permute_axes)[1],
+            scale,
+            jnp.promote_types(p.dtype, jnp.float32),
+            max_size_triangular,
+            max_skew_triangular,
+        )
+
+    return jax.tree.map(leaf_factors, params), key
+
+
+def _fit_leaf(factors, h, v, lr, first, key, newton, step_normalizer_order):
+    """One leaf's fit on its matrix views h (and v in Newton mode): the first
+    fit's scaling, :func:`affine_update`, then balancing with probability 0.01."""
+    if h.size == 0:
+        return factors
+    dtype = factors.left.dtype
+    h = h.astype(dtype)
+    v = v.astype(dtype) if newton else None
+    scale = first_fit_scale(h, v, 0.125)
+    factors = AffineFactors(*(jnp.where(first, Q * scale, Q) for Q in factors))
+    # psgd-jax's draws from the leaf's key: v (when sampled), then the
+    # balancing decision.
+    if not newton and not integrates_noise_out(factors):
+        key, v_key = jax.random.split(key)
+        v = optax.tree.random_like(v_key, h, jax.random.normal)
+        key = jax.random.split(key)[1]
+    factors = affine_update(factors, h, v, lr, step_normalizer_order)
+    balance = jax.random.uniform(jax.random.split(key)[1]) < BALANCE_PROBABILITY
+    # Balancing only rescales (O(d²) work): a select, not a branch.
+    balanced = km.balance_factors(list(factors))
+    return AffineFactors(
+        *(jnp.where(balance, b, Q) for b, Q in zip(balanced, factors, strict=True))
+    )
+
+
+def _matrix_views(tree, permute_axes):
+    """The leaves of ``tree`` as their matrix views (:func:`to_matrix`)."""
+    return [
+        to_matrix(x, matrix_view_plan(x.shape, permute_axes))
+        for x in jax.tree.leaves(tree)
+    ]
+
+
+def _fit_all(
+    factors,
+    h,
+    v,
+    lr,
+    first,
+    key,
+    newton,
+    *,
+    step_normalizer_order,
+    precision,
+    permute_axes,
+):
+    """Every leaf's :func:`_fit_leaf`, each with its share of ``key``."""
+    treedef = jax.tree.structure(h)
+    leaf_factors = treedef.flatten_up_to(factors)
+    keys = jax.random.split(key, max(len(leaf_factors), 1))[: len(leaf_factors)]
+    hs = _matrix_views(h, permute_axes)
+    vs = _matrix_views(v, permute_axes) if newton else [None] * len(leaf_factors)
+    with matmul_precision(precision), jax.named_scope("precond/affine/fit"):
+        new = [
+            _fit_leaf(f, h_leaf, v_leaf, lr, first, k, newton, step_normalizer_order)
+            for f, h_leaf, v_leaf, k in zip(leaf_factors, hs, vs, keys, strict=True)
+        ]
+    return treedef.unflatten(new)
+
+
+def _precondition_leaf(factors: AffineFactors, x: jax.Array, permute_axes: bool):
+    """P·x for one leaf, through its matrix view."""
+    plan = matrix_view_plan(x.shape, permute_axes)
+    X = to_matrix(x, plan).astype(factors.left.dtype)
+    return from_matrix(affine_precondition(factors, X), plan, x.shape)
+
+
+def _apply_all(factors, m, *, precision, permute_axes):
+    """P·m leaf by leaf."""
+    leaves, treedef = jax.tree.flatten(m)
+    leaf_factors = treedef.flatten_up_to(factors)
+    with (
+        matmul_precision(precision),
+        jax.named_scope("precond/affine/precondition"),
+    ):
+        out = [
+            _precondition_leaf(f, x, permute_axes)
+            for f, x in zip(leaf_factors, leaves, strict=True)
+        ]
+    return treedef.unflatten(out)
 
 
 # Affine's own arguments (the shared ones: PSGD_ARGUMENT_CHECKS).
@@ -486,12 +512,8 @@ def scale_by_affine(
     Example:
         >>> optimizer = scale_by_affine()
     """
-    for name, value in (
-        ("max_size_triangular", max_size_triangular),
-        ("max_skew_triangular", max_skew_triangular),
-        ("permute_axes", permute_axes),
-    ):
-        AFFINE_ARGUMENT_CHECKS[name](name, value)
+    for name in AFFINE_ARGUMENT_CHECKS:
+        AFFINE_ARGUMENT_CHECKS[name](name, locals()[name])
     return scale_by_psgd(
         affine_preconditioner(
             step_normalizer_order,
@@ -500,16 +522,7 @@ def scale_by_affine(
             precision,
             permute_axes,
         ),
-        preconditioner_update_probability=preconditioner_update_probability,
-        b1=b1,
-        nesterov=nesterov,
-        precond_lr=precond_lr,
-        precond_init_scale=precond_init_scale,
-        update_global_norm_clip=update_global_norm_clip,
-        seed=seed,
-        mu_dtype=mu_dtype,
-        step_normalizer_order=step_normalizer_order,
-        precision=precision,
+        **psgd_arguments(locals()),
     )
 
 
@@ -553,21 +566,4 @@ def affine(
     Example:
         >>> optimizer = affine(learning_rate=0.01)
     """
-    core = scale_by_affine(
-        preconditioner_update_probability=preconditioner_update_probability,
-        b1=b1,
-        nesterov=nesterov,
-        precond_lr=precond_lr,
-        precond_init_scale=precond_init_scale,
-        update_global_norm_clip=update_global_norm_clip,
-        step_normalizer_order=step_normalizer_order,
-        seed=seed,
-        mu_dtype=mu_dtype,
-        precision=precision,
-        max_size_triangular=max_size_triangular,
-        max_skew_triangular=max_skew_triangular,
-        permute_axes=permute_axes,
-    )
-    return with_decay_and_learning_rate(
-        core, learning_rate, weight_decay, mask, mask_name="mask"
-    )
+    return psgd_alias(scale_by_affine, locals())

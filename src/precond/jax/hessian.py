@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -169,21 +170,12 @@ def hessian_helper(*args, **kwargs) -> tuple[Any, Any, Any, Any, jax.Array]:
     )
     vector_key, decision_key = jax.random.split(key)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
-
-    def zeros(params):
-        return jax.tree.map(jnp.zeros_like, params)
-
-    def without_hvp(params):
-        loss_out, grads = value_and_grad(params, *loss_fn_extra_args)
-        return loss_out, jax.tree.map(conj, grads), zeros(params), zeros(params)
-
-    def with_hvp(params):
-        vector = optax.tree.random_like(vector_key, params, jax.random.normal)
-        (loss_out, grads), (_, hvp) = jax.jvp(
-            lambda p: value_and_grad(p, *loss_fn_extra_args), (params,), (vector,)
-        )
-        return loss_out, jax.tree.map(conj, grads), jax.tree.map(conj, hvp), vector
-
+    without_hvp = functools.partial(
+        _gradients_without_hvp, value_and_grad, loss_fn_extra_args
+    )
+    with_hvp = functools.partial(
+        _gradients_with_hvp, value_and_grad, loss_fn_extra_args, vector_key
+    )
     never = train_step is None and (
         is_concrete_number(preconditioner_update_probability)
         and preconditioner_update_probability == 0
@@ -195,6 +187,23 @@ def hessian_helper(*args, **kwargs) -> tuple[Any, Any, Any, Any, jax.Array]:
         update = update | (jnp.asarray(train_step) < 2)
     loss_out, grads, hvp, vector = jax.lax.cond(update, with_hvp, without_hvp, params)
     return loss_out, grads, hvp, vector, update
+
+
+def _gradients_without_hvp(value_and_grad, extra_args, params):
+    """(loss_out, conj(g), 0, 0): the loss and gradients only."""
+    loss_out, grads = value_and_grad(params, *extra_args)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return loss_out, jax.tree.map(conj, grads), zeros, zeros
+
+
+def _gradients_with_hvp(value_and_grad, extra_args, vector_key, params):
+    """(loss_out, conj(g), conj(H·v), v) with v ~ N(0, I) drawn from
+    ``vector_key``: one forward-over-reverse ``jax.jvp`` of g."""
+    vector = optax.tree.random_like(vector_key, params, jax.random.normal)
+    (loss_out, grads), (_, hvp) = jax.jvp(
+        lambda p: value_and_grad(p, *extra_args), (params,), (vector,)
+    )
+    return loss_out, jax.tree.map(conj, grads), jax.tree.map(conj, hvp), vector
 
 
 hessian_helper.__signature__ = inspect.Signature(

@@ -17,17 +17,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.flatten_util import ravel_pytree
 
 from precond._common.validation import check_choice, check_int
-from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._kron_math import conj, conj_transpose, squared_magnitude
-from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
-    flat_size_and_dtype,
+    flattened_preconditioner,
+    psgd_alias,
+    psgd_arguments,
     scale_by_psgd,
-    with_auto_axes,
 )
 
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
@@ -153,12 +151,18 @@ def lra_update(
     Complex (P = QᴴQ, Q = (I + UVᴴ)·diag(d)): every ᵀ above is ᴴ, b = Q⁻ᴴv,
     ∇d = Ph⊙h̄ − v⊙conj(P⁻¹v), E = aaᴴ − bbᴴ and squares are |·|².
     """
-    tiny = jnp.finfo(d.dtype).tiny
-
     balancer = lra_balance if balance_method == "gauge" else lra_scale_balance
     U, V = _branch(balance, balancer, lambda U, V: (U, V), U, V)
-    r = U.shape[1]
-    eye = jnp.eye(r, dtype=d.dtype)
+    a, Ph, b, iPv = _fit_terms(U, V, d, v, h)
+    d = _diagonal_step(d, v, h, Ph, iPv, precond_lr, step_normalizer_order)
+    U, V = _low_rank_step(U, V, a, b, precond_lr, step_normalizer_order, update_u)
+    return LRAFactors(U, V, d)
+
+
+def _fit_terms(U, V, d, v, h):
+    """(a, Ph, b, P⁻¹v) of :func:`lra_update`: a = Qh, Ph = QᴴQh, b = Q⁻ᴴv
+    (Woodbury: (I + VUᴴ)⁻¹(v/d̄), an r×r solve) and P⁻¹v = Q⁻¹b."""
+    eye = jnp.eye(U.shape[1], dtype=d.dtype)
     UtV = conj_transpose(U) @ V
     a = d * h
     a = a + U @ (conj_transpose(V) @ a)  # Qh
@@ -169,7 +173,13 @@ def lra_update(
     iPv = (
         b - U @ jnp.linalg.solve(eye + conj_transpose(UtV), conj_transpose(V) @ b)
     ) / d
+    return a, Ph, b, iPv
 
+
+def _diagonal_step(d, v, h, Ph, iPv, precond_lr, step_normalizer_order):
+    """d − μ·d⊙∇d with ∇d = Ph⊙h̄ − v⊙conj(P⁻¹v) and μ of
+    :func:`lra_update`."""
+    tiny = jnp.finfo(d.dtype).tiny
     grad_d = Ph * conj(h) - v * conj(iPv)
     if step_normalizer_order == "2nd":
         mu = precond_lr * jnp.min(
@@ -178,7 +188,15 @@ def lra_update(
         )
     else:
         mu = precond_lr / (jnp.max(jnp.abs(grad_d)) + tiny)
-    d = d - mu * d * grad_d
+    return d - mu * d * grad_d
+
+
+def _low_rank_step(U, V, a, b, precond_lr, step_normalizer_order, update_u):
+    """The U step (``update_u``) or the V step of :func:`lra_update` on
+    E = aaᴴ − bbᴴ."""
+    tiny = jnp.finfo(a.dtype).tiny
+    eye = jnp.eye(U.shape[1], dtype=a.dtype)
+    UtV = conj_transpose(U) @ V
 
     def step_size(c, e):
         """η over ‖a cᵀ − b eᵀ‖: bounded by its two terms ('2nd') or its
@@ -203,8 +221,7 @@ def lra_update(
         step = jnp.outer(a + V @ conj(aU), aU) - jnp.outer(b + V @ conj(bU), bU)
         return U, V - mu * step
 
-    U, V = _branch(update_u, step_u, step_v, U, V)
-    return LRAFactors(U, V, d)
+    return _branch(update_u, step_u, step_v, U, V)
 
 
 def fit_randomness(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -228,9 +245,7 @@ def lra_preconditioner(
     psgd-jax), d = scale; at the first fit with automatic scaling, d is first
     multiplied by (Σv²/Σh²)^{1/4} (whitening: (n/Σh²)^{1/4})."""
 
-    def init(params, scale, key):
-        n, dtype = flat_size_and_dtype(params)
-        dtype = jnp.promote_types(dtype, jnp.float32) if n else jnp.float32
+    def init_vector(n, dtype, scale, key):
         r = min(rank, n)
         norm = (n * (r + 10)) ** 0.5 if n else 1.0
         key, u_key = jax.random.split(key)
@@ -239,45 +254,30 @@ def lra_preconditioner(
         V = jax.random.normal(v_key, (n, r), dtype) / norm
         return LRAFactors(U=U, V=V, d=jnp.full((n,), scale, dtype)), key
 
-    def fit(factors, h, v, lr, first, key, newton):
-        if factors[2].shape[0] == 0:  # no parameters: nothing to fit (min/max)
-            return factors
-        fit_flat = functools.partial(fit_vectors, newton=newton)
-        return with_auto_axes(fit_flat, factors, factors, h, v, lr, first, key)
-
-    def fit_vectors(factors, h, v, lr, first, key, newton):
-        U, V, d = factors
+    def fit_vector(factors, h, v, lr, rescale, key):
         balance, update_u = fit_randomness(key)
-        h = ravel_pytree(h)[0].astype(d.dtype)
-        v = ravel_pytree(v)[0].astype(d.dtype)
-        v_energy = jnp.sum(squared_magnitude(v)) if newton else h.shape[0]
-        scale = (
-            v_energy / (jnp.sum(squared_magnitude(h)) + jnp.finfo(d.dtype).tiny)
-        ) ** 0.25
-        d = jnp.where(first, d * scale, d)
-        with matmul_precision(precision), jax.named_scope("precond/lra/update"):
-            return lra_update(
-                U,
-                V,
-                d,
-                v,
-                h,
-                lr,
-                step_normalizer_order,
-                update_u=update_u,
-                balance=balance,
-                balance_method=balance_method,
-            )
+        U, V, d = factors
+        return lra_update(
+            U,
+            V,
+            rescale(d),
+            v,
+            h,
+            lr,
+            step_normalizer_order,
+            update_u=update_u,
+            balance=balance,
+            balance_method=balance_method,
+        )
 
-    def apply(factors, m):
-        return with_auto_axes(apply_flat, m, factors, m)
-
-    def apply_flat(factors, m):
-        flat, unravel = ravel_pytree(m)
-        with matmul_precision(precision), jax.named_scope("precond/lra/precondition"):
-            return unravel(lra_precondition(*factors, flat.astype(factors.d.dtype)))
-
-    return Preconditioner(init, fit, apply, draws_vector=True, fit_uses_key=True)
+    return flattened_preconditioner(
+        init_vector,
+        fit_vector,
+        lra_precondition,
+        precision=precision,
+        name="lra",
+        fit_uses_key=True,
+    )
 
 
 def scale_by_lra(
@@ -330,25 +330,13 @@ def scale_by_lra(
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
     """
-    for name, value in (
-        ("uvd_rank_of_approximation", uvd_rank_of_approximation),
-        ("balance_method", balance_method),
-    ):
-        LRA_ARGUMENT_CHECKS[name](name, value)
+    for name in LRA_ARGUMENT_CHECKS:
+        LRA_ARGUMENT_CHECKS[name](name, locals()[name])
     return scale_by_psgd(
         lra_preconditioner(
             uvd_rank_of_approximation, step_normalizer_order, precision, balance_method
         ),
-        preconditioner_update_probability=preconditioner_update_probability,
-        b1=b1,
-        nesterov=nesterov,
-        precond_lr=precond_lr,
-        precond_init_scale=precond_init_scale,
-        update_global_norm_clip=update_global_norm_clip,
-        seed=seed,
-        mu_dtype=mu_dtype,
-        step_normalizer_order=step_normalizer_order,
-        precision=precision,
+        **psgd_arguments(locals()),
     )
 
 
@@ -391,23 +379,7 @@ def low_rank_approximation(
     Example:
         >>> optimizer = low_rank_approximation(learning_rate=0.01)
     """
-    core = scale_by_lra(
-        preconditioner_update_probability=preconditioner_update_probability,
-        b1=b1,
-        nesterov=nesterov,
-        uvd_rank_of_approximation=uvd_rank_of_approximation,
-        precond_lr=precond_lr,
-        precond_init_scale=precond_init_scale,
-        update_global_norm_clip=update_global_norm_clip,
-        step_normalizer_order=step_normalizer_order,
-        seed=seed,
-        mu_dtype=mu_dtype,
-        precision=precision,
-        balance_method=balance_method,
-    )
-    return with_decay_and_learning_rate(
-        core, learning_rate, weight_decay, mask, mask_name="mask"
-    )
+    return psgd_alias(scale_by_lra, locals())
 
 
 lra = low_rank_approximation

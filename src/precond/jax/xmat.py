@@ -8,22 +8,20 @@ state with the momentum, O(n) work per step.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.flatten_util import ravel_pytree
 
-from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._kron_math import conj, squared_magnitude
 from precond.jax._psgd_transform import (
     Preconditioner,
-    flat_size_and_dtype,
+    flattened_preconditioner,
+    psgd_alias,
+    psgd_arguments,
     scale_by_psgd,
-    with_auto_axes,
 )
 
 
@@ -94,45 +92,25 @@ def xmat_update(
 
 def xmat_preconditioner(
     step_normalizer_order: str = "2nd",
+    precision: str | None = None,
 ) -> Preconditioner:
     """XMat's :class:`~precond.jax._psgd_transform.Preconditioner`: all
     parameters flattened into one vector; at the first fit with automatic
     scaling, a is first multiplied by (Σv²/Σh²)^{1/4} (Newton) or (n/Σh²)^{1/4}
     (whitening, v drawn by the transform)."""
 
-    def init(params, scale, key):
-        n, dtype = flat_size_and_dtype(params)
-        dtype = jnp.promote_types(dtype, jnp.float32) if n else jnp.float32
+    def init_vector(n, dtype, scale, key):
         factors = XMatFactors(a=jnp.full((n,), scale, dtype), b=jnp.zeros((n,), dtype))
         return factors, key
 
-    def fit(factors, h, v, lr, first, key, newton):
+    def fit_vector(factors, h, v, lr, rescale, key):
         del key
-        if factors[0].shape[0] == 0:  # no parameters: nothing to fit
-            return factors
-        fit_flat = functools.partial(fit_vectors, newton=newton)
-        return with_auto_axes(fit_flat, factors, factors, h, v, lr, first)
+        a = rescale(factors.a)
+        return XMatFactors(*xmat_update(a, factors.b, v, h, lr, step_normalizer_order))
 
-    def fit_vectors(factors, h, v, lr, first, newton):
-        a, b = factors
-        h = ravel_pytree(h)[0].astype(a.dtype)
-        v = ravel_pytree(v)[0].astype(a.dtype)
-        # Whitening: E[Σv²] = n stands for the drawn Σv² (as psgd-jax).
-        v_energy = jnp.sum(squared_magnitude(v)) if newton else h.shape[0]
-        scale = (
-            v_energy / (jnp.sum(squared_magnitude(h)) + jnp.finfo(a.dtype).tiny)
-        ) ** 0.25
-        a = jnp.where(first, a * scale, a)
-        return XMatFactors(*xmat_update(a, b, v, h, lr, step_normalizer_order))
-
-    def apply(factors, m):
-        return with_auto_axes(apply_flat, m, factors, m)
-
-    def apply_flat(factors, m):
-        flat, unravel = ravel_pytree(m)
-        return unravel(xmat_precondition(*factors, flat.astype(factors.a.dtype)))
-
-    return Preconditioner(init, fit, apply)
+    return flattened_preconditioner(
+        init_vector, fit_vector, xmat_precondition, precision=precision, name="xmat"
+    )
 
 
 def scale_by_xmat(
@@ -175,17 +153,8 @@ def scale_by_xmat(
             has only elementwise work).
     """
     return scale_by_psgd(
-        xmat_preconditioner(step_normalizer_order),
-        preconditioner_update_probability=preconditioner_update_probability,
-        b1=b1,
-        nesterov=nesterov,
-        precond_lr=precond_lr,
-        precond_init_scale=precond_init_scale,
-        update_global_norm_clip=update_global_norm_clip,
-        seed=seed,
-        mu_dtype=mu_dtype,
-        step_normalizer_order=step_normalizer_order,
-        precision=precision,
+        xmat_preconditioner(step_normalizer_order, precision),
+        **psgd_arguments(locals()),
     )
 
 
@@ -225,18 +194,4 @@ def xmat(
     Example:
         >>> optimizer = xmat(learning_rate=0.01)
     """
-    core = scale_by_xmat(
-        preconditioner_update_probability=preconditioner_update_probability,
-        b1=b1,
-        nesterov=nesterov,
-        precond_lr=precond_lr,
-        precond_init_scale=precond_init_scale,
-        update_global_norm_clip=update_global_norm_clip,
-        step_normalizer_order=step_normalizer_order,
-        seed=seed,
-        mu_dtype=mu_dtype,
-        precision=precision,
-    )
-    return with_decay_and_learning_rate(
-        core, learning_rate, weight_decay, mask, mask_name="mask"
-    )
+    return psgd_alias(scale_by_xmat, locals())
