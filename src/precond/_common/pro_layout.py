@@ -83,73 +83,67 @@ def _segments(d: int, block: int | None) -> list[tuple[int, int, int, int]]:
     return pieces
 
 
-def _plan(
-    shapes: list[tuple[int, ...]],
-    scanned: list[bool],
-    max_size_dense: int,
-    block_size: int,
-    pipeline_size: int,
-) -> _Plan:
-    batch, merged_shapes = [], []
-    groups: dict[tuple, list] = {}  # (stream instance, diagonal, shape) -> regions
-    stream_sizes: dict = {}
-    dense_units = 0
-    for leaf, (shape, is_scanned) in enumerate(zip(shapes, scanned, strict=True)):
-        B = shape[0] if is_scanned else 1
-        inner = tuple(shape[1:]) if is_scanned else tuple(shape)
-        merged = merged_shape(inner)
-        batch.append(B)
-        if math.prod(shape) == 0:
-            merged_shapes.append(None)
-            continue
-        if len(merged) <= 1:
-            merged = (math.prod(inner),)
-            merged_shapes.append(merged)
-            stream, diagonal, blocked = ("vector", leaf), (True,), (None,)
-        else:
-            merged_shapes.append(merged)
-            diagonal = tuple(d > max_size_dense for d in merged)
-            blocked = tuple(None if diag else block_size for diag in diagonal)
-            name = {
-                (False, False): "dense",
-                (True, True): "diagonal",
-                (True, False): "columns",
-                (False, True): "rows",
-            }[diagonal]
-            stream = "dense" if name == "dense" else (name, leaf)
-        per_side = [_segments(d, b) for d, b in zip(merged, blocked, strict=True)]
-        grid = [sum(count for count, *_ in side) for side in per_side]
-        units = B * math.prod(grid)
-        if stream == "dense":
-            base, dense_units = dense_units, dense_units + units
-        else:
-            base = 0
-            stream_sizes[stream] = units
-        draw_shape = tuple(
-            d if b is None else b for d, b in zip(merged, blocked, strict=False)
-        )
-        for combo in np.ndindex(*(len(side) for side in per_side)):
-            pieces = [side[c] for side, c in zip(per_side, combo, strict=True)]
-            region = _Region(
+_SIDE_KINDS = {  # (diagonal per side) -> the name of its key stream
+    (False, False): "dense",
+    (True, True): "diagonal",
+    (True, False): "columns",
+    (False, True): "rows",
+}
+
+
+def _leaf_layout(inner, leaf, max_size_dense, block_size):
+    """(merged shape, key stream, diagonal per side, block length per side or
+    None) of a parameter of (per-layer) shape ``inner`` with entries: a vector
+    has one diagonal side; a matrix side longer than ``max_size_dense`` is
+    diagonal, a shorter one dense and cut into blocks of ``block_size``. The
+    stream is 'dense' (shared) or (kind, leaf)."""
+    merged = merged_shape(inner)
+    if len(merged) <= 1:
+        return (math.prod(inner),), ("vector", leaf), (True,), (None,)
+    diagonal = tuple(d > max_size_dense for d in merged)
+    blocked = tuple(None if diag else block_size for diag in diagonal)
+    name = _SIDE_KINDS[diagonal]
+    stream = "dense" if name == "dense" else (name, leaf)
+    return merged, stream, diagonal, blocked
+
+
+def _region_key_index(region: _Region, B: int, grid: list[int]) -> np.ndarray:
+    """Each unit's (layer b, then blocks in row-major order) index among the
+    B·∏grid units of its parameter, the order of its key stream."""
+    sides = len(region.counts)
+    index = np.arange(B).reshape((B,) + (1,) * sides) * math.prod(grid)
+    stride = 1
+    for axis in reversed(range(sides)):
+        blocks = region.first[axis] + np.arange(region.counts[axis])
+        shape = [1] * (sides + 1)
+        shape[axis + 1] = -1
+        index = index + stride * blocks.reshape(shape)
+        stride *= grid[axis]
+    return index.reshape(-1)
+
+
+def _leaf_regions(leaf, merged, blocked):
+    """(regions of equal blocks, blocks per side) of one parameter."""
+    per_side = [_segments(d, b) for d, b in zip(merged, blocked, strict=True)]
+    grid = [sum(count for count, *_ in side) for side in per_side]
+    regions = []
+    for combo in np.ndindex(*(len(side) for side in per_side)):
+        pieces = [side[c] for side, c in zip(per_side, combo, strict=True)]
+        regions.append(
+            _Region(
                 leaf,
                 counts=tuple(p[0] for p in pieces),
                 shape=tuple(p[1] for p in pieces),
                 first=tuple(p[2] for p in pieces),
                 offset=tuple(p[3] for p in pieces),
             )
-            # Index of each unit (layer b, block (i, j)) in its key stream.
-            index = np.arange(B).reshape((B,) + (1,) * len(pieces)) * math.prod(grid)
-            stride = 1
-            for axis in reversed(range(len(pieces))):
-                blocks = region.first[axis] + np.arange(region.counts[axis])
-                shape_ = [1] * (len(pieces) + 1)
-                shape_[axis + 1] = -1
-                index = index + stride * blocks.reshape(shape_)
-                stride *= grid[axis]
-            key = (stream, diagonal, region.shape, draw_shape)
-            groups.setdefault(key, []).append((region, base + index.reshape(-1)))
-    if dense_units:
-        stream_sizes["dense"] = dense_units
+        )
+    return regions, grid
+
+
+def _stacks(groups: dict, pipeline_size: int) -> tuple[_Stack, ...]:
+    """One stack per group of equal blocks, padded (but the vectors') to a
+    multiple of the pipeline size."""
     stacks = []
     for (stream, diagonal, shape, draw_shape), members in groups.items():
         key_index = np.concatenate([index for _, index in members])
@@ -165,8 +159,56 @@ def _plan(
                 padding=padding,
             )
         )
+    return tuple(stacks)
+
+
+def _plan(
+    shapes: list[tuple[int, ...]],
+    scanned: list[bool],
+    max_size_dense: int,
+    block_size: int,
+    pipeline_size: int,
+) -> _Plan:
+    """The layout of parameters of ``shapes`` (a leading layer axis where
+    ``scanned``): per leaf its layer count and merged shape, the stacks of
+    equal blocks, and the size of each key stream (distributed-kron 2.0's:
+    one 'dense' stream shared by all blocks with two dense sides, one stream
+    per other parameter)."""
+    batch, merged_shapes = [], []
+    groups: dict[tuple, list] = {}  # (stream, diagonal, shape, draw) -> regions
+    stream_sizes: dict = {}
+    dense_units = 0
+    for leaf, (shape, is_scanned) in enumerate(zip(shapes, scanned, strict=True)):
+        B = shape[0] if is_scanned else 1
+        batch.append(B)
+        if math.prod(shape) == 0:
+            merged_shapes.append(None)
+            continue
+        inner = tuple(shape[1:]) if is_scanned else tuple(shape)
+        merged, stream, diagonal, blocked = _leaf_layout(
+            inner, leaf, max_size_dense, block_size
+        )
+        merged_shapes.append(merged)
+        regions, grid = _leaf_regions(leaf, merged, blocked)
+        units = B * math.prod(grid)
+        if stream == "dense":
+            base, dense_units = dense_units, dense_units + units
+        else:
+            base = 0
+            stream_sizes[stream] = units
+        draw_shape = tuple(
+            d if b is None else b for d, b in zip(merged, blocked, strict=False)
+        )
+        for region in regions:
+            key = (stream, diagonal, region.shape, draw_shape)
+            index = base + _region_key_index(region, B, grid)
+            groups.setdefault(key, []).append((region, index))
+    if dense_units:
+        stream_sizes["dense"] = dense_units
     # distributed-kron pads every stream but the vectors' to the pipeline size.
     for stream in stream_sizes:
         if stream == "dense" or stream[0] != "vector":
             stream_sizes[stream] += -stream_sizes[stream] % pipeline_size
-    return _Plan(tuple(batch), tuple(merged_shapes), tuple(stacks), stream_sizes)
+    return _Plan(
+        tuple(batch), tuple(merged_shapes), _stacks(groups, pipeline_size), stream_sizes
+    )

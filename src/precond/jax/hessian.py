@@ -170,12 +170,9 @@ def hessian_helper(*args, **kwargs) -> tuple[Any, Any, Any, Any, jax.Array]:
     )
     vector_key, decision_key = jax.random.split(key)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
-    without_hvp = functools.partial(
-        _gradients_without_hvp, value_and_grad, loss_fn_extra_args
-    )
-    with_hvp = functools.partial(
-        _gradients_with_hvp, value_and_grad, loss_fn_extra_args, vector_key
-    )
+    gradients = (value_and_grad, loss_fn_extra_args)
+    without_hvp = functools.partial(_gradients_without_hvp, *gradients)
+    with_hvp = functools.partial(_gradients_with_hvp, *gradients, vector_key)
     never = train_step is None and (
         is_concrete_number(preconditioner_update_probability)
         and preconditioner_update_probability == 0

@@ -26,6 +26,7 @@ its trajectory-parity tests check.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -59,14 +60,17 @@ from precond._common.validation import (
 )
 from precond.jax import _kron_math as km
 from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
-from precond.jax._guards import (
-    all_finite,
-    check_parameter_dtypes,
-    gradients_are_usable,
-    is_params_placeholder,
-)
+from precond.jax._guards import check_parameter_dtypes, is_params_placeholder
 from precond.jax._kron_sharding import is_box
-from precond.jax._psgd_transform import with_auto_axes
+from precond.jax._psgd_transform import arguments_for, with_auto_axes
+from precond.jax._step_policy import (
+    keep_if_overflowed,
+    next_count,
+    state_unless_skipped,
+    step_is_usable,
+    step_key,
+    zeros_unless_usable,
+)
 
 # Each key stream's seed (distributed-kron 2.0.0's): blocks of matrices with two
 # dense sides share one stream; every other parameter has its own.
@@ -173,15 +177,10 @@ def _fit_unit(factors, lipschitz, G, key, *, style, lr, noise_scale, draw_shape)
     new_factors, new_lipschitz = km.update_factors_gen2(
         list(factors), list(lipschitz), Gn, targets, lr, style, keys, draw
     )
-    fitted = all_finite(new_factors, new_lipschitz)
-    new_factors = [
-        jnp.where(fitted, n, o).astype(o.dtype)
-        for n, o in zip(new_factors, factors, strict=True)
-    ]
-    new_lipschitz = [
-        jnp.where(fitted, n, o) for n, o in zip(new_lipschitz, lipschitz, strict=True)
-    ]
-    return tuple(new_factors), tuple(new_lipschitz), km.precondition(new_factors, G)
+    new_factors, new_lipschitz = keep_if_overflowed(
+        (tuple(new_factors), tuple(new_lipschitz)), (tuple(factors), tuple(lipschitz))
+    )
+    return new_factors, new_lipschitz, km.precondition(list(new_factors), G)
 
 
 # ------------------------------------------------------------------ arguments
@@ -288,6 +287,320 @@ def _scanned_flags(scanned_layers, params, treedef) -> list[bool]:
     return [bool(f) for f in treedef.flatten_up_to(flags)]
 
 
+class _Recipe(NamedTuple):
+    """scale_by_pro's arguments as its step uses them (b1 and the rates may be
+    arrays under ``optax.inject_hyperparams``)."""
+
+    lr_style: str | None
+    b1: Any
+    keep_momentum: bool
+    normalize_grads: bool
+    preconditioner_lr: Any
+    style: str
+    dtype: jnp.dtype
+    noise_scale: Any
+    padded_draws: bool  # draws='distributed_kron'
+    update_probability: Any
+    always_fit: bool  # a concrete update probability of 1
+    pipeline_spec: PartitionSpec | None
+    params_partition_specs: Any
+    init_scale: float
+    scanned_layers: Any
+    max_size_dense: int
+    block_size: int
+    pipeline_axis_size: int
+
+
+def _recipe(arguments: dict[str, Any]) -> _Recipe:
+    """The recipe of scale_by_pro's (checked) arguments."""
+    b1, prob = arguments["b1"], arguments["preconditioner_update_probability"]
+    axis = arguments["pipeline_axis_name"]
+    return _Recipe(
+        lr_style=arguments["lr_style"],
+        b1=b1,
+        # b1 may be an array under optax.inject_hyperparams: only a concrete 0
+        # drops the momentum buffer.
+        keep_momentum=not (is_concrete_number(b1) and b1 == 0),
+        normalize_grads=arguments["normalize_grads"],
+        preconditioner_lr=arguments["preconditioner_lr"],
+        style=arguments["preconditioner_update_style"],
+        dtype=jnp.dtype(arguments["dtype"]),
+        noise_scale=arguments["noise_scale"],
+        padded_draws=arguments["draws"] == "distributed_kron",
+        update_probability=prob,
+        always_fit=is_concrete_number(prob) and prob == 1,
+        pipeline_spec=None if axis is None else PartitionSpec(axis),
+        params_partition_specs=arguments["params_partition_specs"],
+        init_scale=arguments["preconditioner_init_scale"],
+        scanned_layers=arguments["scanned_layers"],
+        max_size_dense=arguments["max_size_dense"],
+        block_size=arguments["block_size"],
+        pipeline_axis_size=arguments["pipeline_axis_size"],
+    )
+
+
+def _constrain(x, spec):
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+
+def _init_factors(plan: _Plan, dtype, init_scale: float, pipeline_spec) -> tuple:
+    """(factors, lipschitz) per stack: Q = init_scale·I per side (a vector of
+    init_scale for a diagonal side), Lipschitz estimates 0."""
+    factors, lipschitz = [], []
+    for stack in plan.stacks:
+        units = len(stack.key_index)
+        sides = []
+        for d, diag in zip(stack.shape, stack.diagonal, strict=True):
+            one = jnp.ones(d, dtype) if diag else jnp.eye(d, dtype=dtype)
+            Q = jnp.broadcast_to(init_scale * one, (units, *one.shape)).astype(dtype)
+            sides.append(_constrain(Q, pipeline_spec))
+        factors.append(tuple(sides))
+        lipschitz.append(
+            tuple(
+                _constrain(jnp.zeros(units, jnp.float32), pipeline_spec)
+                for _ in stack.shape
+            )
+        )
+    return tuple(factors), tuple(lipschitz)
+
+
+def _placeholder_state(params, keep_momentum: bool) -> ProState:
+    """The state ``optax.tree.map_params`` sees: the momentum is the one tree
+    like the params; one leaf stands for all the factor stacks (a prefix of
+    any)."""
+    empty = jnp.zeros([], jnp.int32)
+    return ProState(
+        count=empty,
+        mu=params if keep_momentum else None,
+        factors=empty,
+        lipschitz=empty,
+        update_counter=empty,
+    )
+
+
+def _momentum(grads, mu, count, recipe: _Recipe) -> tuple[list | None, list]:
+    """(new m, m̂) as lists of leaves: m ← β₁m + (1−β₁)g in float32, stored in
+    ``dtype``; m̂ = m/(1−β₁ⁿ) (g itself when b1 = 0), divided by its norm
+    (+1e-6) with ``normalize_grads``."""
+    b1, dtype = recipe.b1, recipe.dtype
+    if recipe.keep_momentum:
+        mu = [
+            (b1 * m.astype(jnp.float32) + (1 - b1) * g.astype(jnp.float32))
+            for m, g in zip(mu, grads, strict=True)
+        ]
+        correction = 1 - jnp.asarray(b1, jnp.float32) ** count
+        momentum = [(m / correction).astype(dtype) for m in mu]
+        mu = [m.astype(dtype) for m in mu]
+    else:
+        mu, momentum = None, [g.astype(dtype) for g in grads]
+    if recipe.normalize_grads:
+        momentum = [m / (jnp.linalg.norm(m) + 1e-6) for m in momentum]
+    return mu, momentum
+
+
+def _fit_decision(count, update_counter, recipe: _Recipe):
+    """(fit now, steps since the last fit): the first step always fits (the
+    factors start as identities), then once 1/p steps have passed."""
+    update_counter = update_counter + 1
+    if recipe.always_fit:
+        do_fit = jnp.asarray(True)
+    else:
+        prob = recipe.update_probability
+        prob = prob(count) if callable(prob) else prob
+        do_fit = (count == 1) | (
+            update_counter.astype(jnp.float32) >= 1.0 / jnp.asarray(prob, jnp.float32)
+        )
+    return do_fit, jnp.where(do_fit, 0, update_counter)
+
+
+def _stack_input(stack: _Stack, views: list) -> jax.Array:
+    """The stack's blocks of the momentum views, zero units appended as padding."""
+    G = jnp.concatenate([_cut(views[r.leaf], r) for r in stack.regions])
+    if stack.padding:
+        G = jnp.concatenate([G, jnp.zeros((stack.padding, *G.shape[1:]), G.dtype)])
+    return G
+
+
+def _unit_keys(stack: _Stack, stream_size: int, count, pipeline_spec) -> jax.Array:
+    """Each unit's key at step ``count``: its index in its stream's split of
+    step_key(stream seed, count) (distributed-kron 2.0.0's draws)."""
+    name = stack.stream if stack.stream == "dense" else stack.stream[0]
+    stream_keys = jax.random.split(step_key(_STREAM_SEEDS[name], count), stream_size)
+    return _constrain(stream_keys[stack.key_index], pipeline_spec)
+
+
+def _fit_stack(stack, keys, factors, lipschitz, G, balance, do_fit, recipe):
+    """(factors, lipschitz, P·G) of one stack: balanced (two sides, when
+    ``balance``), then fitted unit by unit when ``do_fit``, else only applied."""
+    if len(factors) == 2:
+        factors = jax.lax.cond(
+            balance,
+            lambda f: tuple(jax.vmap(km.balance_factors)(list(f))),
+            lambda f: f,
+            factors,
+        )
+    fit = functools.partial(
+        _fit_unit,
+        style=recipe.style,
+        lr=recipe.preconditioner_lr,
+        noise_scale=recipe.noise_scale,
+        draw_shape=stack.draw_shape if recipe.padded_draws else None,
+    )
+
+    def fitted(factors, lipschitz):
+        return jax.vmap(fit)(factors, lipschitz, G, keys)
+
+    def kept(factors, lipschitz):
+        PG = jax.vmap(lambda f, g: km.precondition(list(f), g))(factors, G)
+        return factors, lipschitz, PG
+
+    if recipe.always_fit:
+        return fitted(factors, lipschitz)
+    return jax.lax.cond(do_fit, fitted, kept, factors, lipschitz)
+
+
+def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, recipe):
+    """(factors, lipschitz, pieces): every stack fitted (factors rebalanced
+    every ``BALANCE_EVERY`` steps), and per leaf its regions' blocks of P·m̂."""
+    balance = count % BALANCE_EVERY == 0
+    spec = recipe.pipeline_spec
+    pieces: dict[int, list] = {}
+    new_factors, new_lipschitz = [], []
+    for stack, factors, lipschitz in zip(
+        plan.stacks, state.factors, state.lipschitz, strict=True
+    ):
+        keys = _unit_keys(stack, plan.stream_sizes[stack.stream], count, spec)
+        G = _constrain(_stack_input(stack, views), spec)
+        fitted, fitted_lipschitz, PG = _fit_stack(
+            stack, keys, factors, lipschitz, G, balance, do_fit, recipe
+        )
+        new_factors.append(tuple(_constrain(Q, spec) for Q in fitted))
+        new_lipschitz.append(tuple(_constrain(L, spec) for L in fitted_lipschitz))
+        start = 0
+        for region in stack.regions:
+            B = plan.batch[region.leaf]
+            units = B * math.prod(region.counts)
+            pasted = _paste(PG[start : start + units], region, B)
+            pieces.setdefault(region.leaf, []).append((region, pasted))
+            start += units
+    return tuple(new_factors), tuple(new_lipschitz), pieces
+
+
+def _clipped_updates(grads, plan: _Plan, pieces, recipe: _Recipe) -> list:
+    """Each leaf's P·m̂ assembled from its pieces, its RMS clipped to CLIP_RMS,
+    divided by ADAM_STYLE_DIVISOR with lr_style='adam' (zeros for a leaf with
+    no entries)."""
+    out = []
+    for i, (g, merged) in enumerate(zip(grads, plan.merged, strict=True)):
+        if merged is None:
+            out.append(jnp.zeros_like(g))
+            continue
+        u = _assemble(pieces[i], merged, plan.batch[i]).reshape(g.shape)
+        rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
+        u = u * (CLIP_RMS / jnp.maximum(rms, CLIP_RMS)).astype(u.dtype)
+        if recipe.lr_style == "adam":
+            u = u / jnp.asarray(ADAM_STYLE_DIVISOR, u.dtype)
+        out.append(u)
+    return out
+
+
+def _step(grads, state: ProState, plan: _Plan, treedef, recipe: _Recipe):
+    """The update of the unboxed gradient leaves: (updates, new state). A step
+    with unusable gradients (the JAX step policy) returns zeros and keeps the
+    state."""
+    usable = step_is_usable(grads)
+    count = next_count(state.count)
+    mu = None if state.mu is None else treedef.flatten_up_to(state.mu)
+    mu, momentum = _momentum(grads, mu, count, recipe)
+    views = [
+        None if merged is None else m.reshape((B, *merged))
+        for m, B, merged in zip(momentum, plan.batch, plan.merged, strict=True)
+    ]
+    do_fit, update_counter = _fit_decision(count, state.update_counter, recipe)
+    factors, lipschitz, pieces = _fit_all_stacks(
+        plan, state, views, count, do_fit, recipe
+    )
+    if mu is not None:
+        mu = _constrain(treedef.unflatten(mu), recipe.params_partition_specs)
+    new_state = ProState(
+        count=count,
+        mu=mu,
+        factors=factors,
+        lipschitz=lipschitz,
+        update_counter=update_counter,
+    )
+    updates = _clipped_updates(grads, plan, pieces, recipe)
+    return zeros_unless_usable(usable, updates, grads), state_unless_skipped(
+        usable, new_state, state
+    )
+
+
+def _with_boxes(updates, boxes, treedef):
+    """``updates`` boxed again as the gradients were (flax partitioning)."""
+    if boxes is None:
+        return updates
+    flat = jax.tree.leaves(updates)
+    return treedef.unflatten(
+        [
+            b.replace_boxed(u) if is_box(b) else u
+            for b, u in zip(boxes, flat, strict=False)
+        ]
+    )
+
+
+def _plan_for(leaves, treedef, recipe: _Recipe) -> _Plan:
+    """The layout of these (unboxed) leaves: merged shapes, blocks, stacks."""
+    flags = _scanned_flags(recipe.scanned_layers, treedef.unflatten(leaves), treedef)
+    shapes = [tuple(x.shape) for x in leaves]
+    return _plan(
+        shapes,
+        flags,
+        recipe.max_size_dense,
+        recipe.block_size,
+        recipe.pipeline_axis_size,
+    )
+
+
+def _init(params, *, recipe: _Recipe) -> ProState:
+    """scale_by_pro's init: m = 0 (in ``dtype``), every factor init_scale·I."""
+    if is_params_placeholder(params):
+        return _placeholder_state(params, recipe.keep_momentum)
+    leaves, treedef, _ = _unboxed(params)
+    check_parameter_dtypes(treedef.unflatten(leaves), "PSGD pro", complex_ok=False)
+    plan = _plan_for(leaves, treedef, recipe)
+    mu = None
+    if recipe.keep_momentum:
+        mu = treedef.unflatten([jnp.zeros(x.shape, recipe.dtype) for x in leaves])
+        mu = _constrain(mu, recipe.params_partition_specs)
+    factors, lipschitz = _init_factors(
+        plan, recipe.dtype, recipe.init_scale, recipe.pipeline_spec
+    )
+    return ProState(
+        count=jnp.zeros([], jnp.int32),
+        mu=mu,
+        factors=factors,
+        lipschitz=lipschitz,
+        update_counter=jnp.zeros([], jnp.int32),
+    )
+
+
+def _update(updates, state: ProState, params=None, *, recipe: _Recipe, **extra_args):
+    """scale_by_pro's update. On a mesh with Explicit axes the step runs under
+    auto_axes (its reshapes of sharded leaves need it), its outputs sharded as
+    its inputs."""
+    del params, extra_args
+    grads, treedef, boxes = _unboxed(updates)
+    plan = _plan_for(grads, treedef, recipe)
+    out, new_state = with_auto_axes(
+        lambda grads, state: _step(grads, state, plan, treedef, recipe),
+        (grads, state),
+        grads,
+        state,
+    )
+    updates = _constrain(treedef.unflatten(out), recipe.params_partition_specs)
+    return _with_boxes(updates, boxes, treedef), new_state
+
+
 def scale_by_pro(
     lr_style: str | None = "adam",
     b1: float = 0.95,
@@ -341,233 +654,11 @@ def scale_by_pro(
     arguments = dict(locals())
     for name, value in arguments.items():
         PRO_ARGUMENT_CHECKS[name](name, value)
-    dtype = jnp.dtype(dtype)
-    # b1 may be an array under optax.inject_hyperparams: only a concrete 0 drops
-    # the momentum buffer.
-    keep_momentum = not (is_concrete_number(b1) and b1 == 0)
-    pipeline_spec = (
-        None if pipeline_axis_name is None else PartitionSpec(pipeline_axis_name)
+    recipe = _recipe(arguments)
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_init, recipe=recipe),
+        functools.partial(_update, recipe=recipe),
     )
-
-    def constrain(x, spec):
-        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
-
-    def plan_for(leaves, flags) -> _Plan:
-        shapes = [tuple(x.shape) for x in leaves]
-        return _plan(shapes, flags, max_size_dense, block_size, pipeline_axis_size)
-
-    def init_fn(params):
-        if is_params_placeholder(params):
-            # optax.tree.map_params: the momentum is the one tree like the params;
-            # one leaf stands for all the factor stacks (a prefix of any).
-            empty = jnp.zeros([], jnp.int32)
-            return ProState(
-                count=empty,
-                mu=params if keep_momentum else None,
-                factors=empty,
-                lipschitz=empty,
-                update_counter=empty,
-            )
-        leaves, treedef, _ = _unboxed(params)
-        check_parameter_dtypes(treedef.unflatten(leaves), "PSGD pro", complex_ok=False)
-        flags = _scanned_flags(scanned_layers, treedef.unflatten(leaves), treedef)
-        plan = plan_for(leaves, flags)
-        mu = None
-        if keep_momentum:
-            mu = treedef.unflatten([jnp.zeros(x.shape, dtype) for x in leaves])
-            mu = constrain(mu, params_partition_specs)
-        factors, lipschitz = [], []
-        for stack in plan.stacks:
-            units = len(stack.key_index)
-            sides = []
-            for d, diag in zip(stack.shape, stack.diagonal, strict=True):
-                one = jnp.ones(d, dtype) if diag else jnp.eye(d, dtype=dtype)
-                Q = jnp.broadcast_to(
-                    preconditioner_init_scale * one, (units, *one.shape)
-                ).astype(dtype)
-                sides.append(constrain(Q, pipeline_spec))
-            factors.append(tuple(sides))
-            lipschitz.append(
-                tuple(
-                    constrain(jnp.zeros(units, jnp.float32), pipeline_spec)
-                    for _ in stack.shape
-                )
-            )
-        return ProState(
-            count=jnp.zeros([], jnp.int32),
-            mu=mu,
-            factors=tuple(factors),
-            lipschitz=tuple(lipschitz),
-            update_counter=jnp.zeros([], jnp.int32),
-        )
-
-    always_fit = (
-        is_concrete_number(preconditioner_update_probability)
-        and preconditioner_update_probability == 1
-    )
-
-    def fit_stack(stack, stream_size, factors, lipschitz, G, step, balance, do_fit):
-        name = stack.stream if stack.stream == "dense" else stack.stream[0]
-        stream_keys = jax.random.split(
-            jax.random.fold_in(jax.random.PRNGKey(_STREAM_SEEDS[name]), step),
-            stream_size,
-        )
-        keys = constrain(stream_keys[stack.key_index], pipeline_spec)
-        G = constrain(G, pipeline_spec)
-        if len(factors) == 2:
-            factors = jax.lax.cond(
-                balance,
-                lambda f: tuple(jax.vmap(km.balance_factors)(list(f))),
-                lambda f: f,
-                factors,
-            )
-
-        def fit(factors, lipschitz, G, key):
-            return _fit_unit(
-                factors,
-                lipschitz,
-                G,
-                key,
-                style=preconditioner_update_style,
-                lr=preconditioner_lr,
-                noise_scale=noise_scale,
-                draw_shape=stack.draw_shape if draws == "distributed_kron" else None,
-            )
-
-        def fitted(factors, lipschitz):
-            return jax.vmap(fit)(factors, lipschitz, G, keys)
-
-        def kept(factors, lipschitz):
-            PG = jax.vmap(lambda f, g: km.precondition(list(f), g))(factors, G)
-            return factors, lipschitz, PG
-
-        if always_fit:
-            new_factors, new_lipschitz, PG = fitted(factors, lipschitz)
-        else:
-            new_factors, new_lipschitz, PG = jax.lax.cond(
-                do_fit, fitted, kept, factors, lipschitz
-            )
-        new_factors = tuple(constrain(Q, pipeline_spec) for Q in new_factors)
-        new_lipschitz = tuple(constrain(L, pipeline_spec) for L in new_lipschitz)
-        return new_factors, new_lipschitz, PG
-
-    def step(grads, state, plan, treedef):
-        """The update of the unboxed gradient leaves: (updates, new state)."""
-        finite = gradients_are_usable(grads)
-        count = optax.safe_int32_increment(state.count)
-        if keep_momentum:
-            mu = [
-                (b1 * m.astype(jnp.float32) + (1 - b1) * g.astype(jnp.float32))
-                for m, g in zip(treedef.flatten_up_to(state.mu), grads, strict=True)
-            ]
-            correction = 1 - jnp.asarray(b1, jnp.float32) ** count
-            momentum = [(m / correction).astype(dtype) for m in mu]
-            mu = [m.astype(dtype) for m in mu]
-        else:
-            momentum = [g.astype(dtype) for g in grads]
-        if normalize_grads:
-            momentum = [m / (jnp.linalg.norm(m) + 1e-6) for m in momentum]
-        views = [
-            None if merged is None else m.reshape((B, *merged))
-            for m, B, merged in zip(momentum, plan.batch, plan.merged, strict=True)
-        ]
-        balance = count % BALANCE_EVERY == 0
-        update_counter = state.update_counter + 1
-        if always_fit:
-            do_fit = jnp.asarray(True)
-        else:
-            prob = preconditioner_update_probability
-            prob = prob(count) if callable(prob) else prob
-            # The first step always fits (the factors start as identities).
-            do_fit = (count == 1) | (
-                update_counter.astype(jnp.float32)
-                >= 1.0 / jnp.asarray(prob, jnp.float32)
-            )
-        update_counter = jnp.where(do_fit, 0, update_counter)
-        pieces: dict[int, list] = {}
-        new_factors, new_lipschitz = [], []
-        for stack, factors, lipschitz in zip(
-            plan.stacks, state.factors, state.lipschitz, strict=True
-        ):
-            G = jnp.concatenate([_cut(views[r.leaf], r) for r in stack.regions])
-            if stack.padding:
-                G = jnp.concatenate(
-                    [G, jnp.zeros((stack.padding, *G.shape[1:]), G.dtype)]
-                )
-            fitted, fitted_lipschitz, PG = fit_stack(
-                stack,
-                plan.stream_sizes[stack.stream],
-                factors,
-                lipschitz,
-                G,
-                count,
-                balance,
-                do_fit,
-            )
-            new_factors.append(fitted)
-            new_lipschitz.append(fitted_lipschitz)
-            start = 0
-            for region in stack.regions:
-                B = plan.batch[region.leaf]
-                units = B * math.prod(region.counts)
-                pasted = _paste(PG[start : start + units], region, B)
-                pieces.setdefault(region.leaf, []).append((region, pasted))
-                start += units
-        out = []
-        for i, (g, merged) in enumerate(zip(grads, plan.merged, strict=True)):
-            if merged is None:
-                out.append(jnp.zeros_like(g))
-                continue
-            u = _assemble(pieces[i], merged, plan.batch[i]).reshape(g.shape)
-            rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
-            u = u * (CLIP_RMS / jnp.maximum(rms, CLIP_RMS)).astype(u.dtype)
-            if lr_style == "adam":
-                u = u / jnp.asarray(ADAM_STYLE_DIVISOR, u.dtype)
-            out.append(jnp.where(finite, u, 0).astype(u.dtype))
-        # A step with an unusable gradient (NaN/Inf or overflowing: _guards)
-        # returns zeros and keeps the state.
-        keep = lambda new, old: jax.tree.map(  # noqa: E731
-            lambda n, o: jnp.where(finite, n, o), new, old
-        )
-        new_state = ProState(
-            count=jnp.where(finite, count, state.count),
-            mu=None
-            if not keep_momentum
-            else keep(
-                constrain(treedef.unflatten(mu), params_partition_specs), state.mu
-            ),
-            factors=keep(tuple(new_factors), state.factors),
-            lipschitz=keep(tuple(new_lipschitz), state.lipschitz),
-            update_counter=jnp.where(finite, update_counter, state.update_counter),
-        )
-        return [u.astype(g.dtype) for u, g in zip(out, grads, strict=True)], new_state
-
-    def update_fn(updates, state: ProState, params=None, **extra_args):
-        del params, extra_args
-        grads, treedef, boxes = _unboxed(updates)
-        flags = _scanned_flags(scanned_layers, treedef.unflatten(grads), treedef)
-        plan = plan_for(grads, flags)
-        # On a mesh with Explicit axes the step runs under auto_axes (its
-        # reshapes of sharded leaves need it), its outputs sharded as its inputs.
-        out, new_state = with_auto_axes(
-            lambda grads, state: step(grads, state, plan, treedef),
-            (grads, state),
-            grads,
-            state,
-        )
-        updates = treedef.unflatten(out)
-        updates = constrain(updates, params_partition_specs)
-        if boxes is not None:
-            flat = jax.tree.leaves(updates)
-            updates = treedef.unflatten(
-                [
-                    b.replace_boxed(u) if is_box(b) else u
-                    for b, u in zip(boxes, flat, strict=False)
-                ]
-            )
-        return updates, new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def pro(
@@ -603,26 +694,7 @@ def pro(
     """
     for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
         ALIAS_ARGUMENT_CHECKS[name](name, locals()[name])
-    transforms = [
-        scale_by_pro(
-            lr_style,
-            b1,
-            normalize_grads,
-            max_size_dense,
-            preconditioner_lr,
-            preconditioner_init_scale,
-            preconditioner_update_style,
-            dtype,
-            scanned_layers,
-            block_size,
-            pipeline_axis_name,
-            pipeline_axis_size,
-            params_partition_specs,
-            noise_scale,
-            draws=draws,
-            preconditioner_update_probability=preconditioner_update_probability,
-        )
-    ]
+    transforms = [scale_by_pro(**arguments_for(scale_by_pro, locals()))]
     if not (isinstance(weight_decay, int | float) and weight_decay <= 0):
         transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
     transforms.append(optax.scale_by_learning_rate(learning_rate))
