@@ -4,6 +4,7 @@ integers, the learning-rate check, copies and pickling, checked param groups."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +19,10 @@ def seeded_generator(device: torch.device, *integers: int) -> torch.Generator:
 
     Its seed is the first 8 bytes of BLAKE2b over the integers' decimal text
     joined by commas (b"42,7,-1"), read little-endian, modulo 2⁶³."""
+    text = ",".join(str(int(i)) for i in integers).encode("ascii")
+    digest = hashlib.blake2b(text, digest_size=8).digest()
     generator = torch.Generator(device=device)
-    generator.manual_seed(hash(integers) % (2**63))
+    generator.manual_seed(int.from_bytes(digest, "little") % (2**63))
     return generator
 
 
