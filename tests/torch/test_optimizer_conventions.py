@@ -1,11 +1,14 @@
-"""PyTorch's optimizer conventions, checked on precond.torch.Kron.
+"""PyTorch's optimizer conventions: one table run over every torch optimizer.
 
 What torch's own optimizers promise their users, written here as properties
 (in the spirit of torch's optimizer test-suite): copies step like the
 original, the learning rate may be a tensor and is driven by
 ``torch.optim.lr_scheduler``, bad input fails with the exception type torch's
 optimizers raise, and the Optimizer API (zero_grad, add_param_group,
-state_dict, closures, hooks) behaves as documented.
+state_dict, closures, hooks) behaves as documented. Every row runs on
+precond.torch.Kron and precond.torch.Pro (``OPTIMIZERS``); each stage of a step
+is a ``torch.profiler.record_function`` range; ``torch.compile`` of the step
+steps as the eager step does.
 
 precond.torch.kfac.KFAC (a ``torch.optim.Optimizer`` as KAISA's is) gets the
 rows that apply to a gradient preconditioner, which changes ``.grad`` of a
@@ -24,9 +27,27 @@ import warnings
 import pytest
 import torch
 
-from precond.torch import Kron
+from precond.torch import Kron, Pro
 
 LR = 0.05
+
+# Every torch.optim.Optimizer precond ships, with what its copies must keep
+# besides torch's state, and the profiler ranges one step opens.
+OPTIMIZERS = {
+    "Kron": (Kron, {"seed", "strategy", "compile_kernels"}, "precond/kron"),
+    "Pro": (Pro, {"seed"}, "precond/pro"),
+}
+STAGES = ("momentum", "update_factors", "precondition", "apply_updates")
+
+
+@pytest.fixture(params=list(OPTIMIZERS))
+def optimizer_class(request):
+    return OPTIMIZERS[request.param][0]
+
+
+def _make(optimizer_class, params, **kwargs):
+    """The optimizer with no weight decay unless asked (Pro's default is 0.1)."""
+    return optimizer_class(params, **{"weight_decay": 0.0, **kwargs})
 
 
 def _params(seed=0):
@@ -64,9 +85,9 @@ def _assert_equal(a, b):
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_copies_keep_every_public_attribute_and_step_identically(how):
+def test_copies_keep_every_public_attribute_and_step_identically(optimizer_class, how):
     params = _params()
-    optimizer = Kron(params, lr=LR, weight_decay=0.1, seed=3)
+    optimizer = _make(optimizer_class, params, lr=LR, weight_decay=0.1, seed=3)
     optimizer.note = "set by the user"
     grads = _grads(6)
     for g in grads[:3]:
@@ -75,14 +96,16 @@ def test_copies_keep_every_public_attribute_and_step_identically(how):
         params_copy, copied = copy.deepcopy((params, optimizer))
     else:
         params_copy, copied = pickle.loads(pickle.dumps((params, optimizer)))
+    kept = OPTIMIZERS[optimizer_class.__name__][1] | {"note"}
     public = {k for k in vars(optimizer) if not k.startswith("_")}
-    assert {"seed", "strategy", "compile_kernels", "note", "defaults"} <= public
+    assert kept | {"defaults"} <= public
     assert public == {k for k in vars(copied) if not k.startswith("_")}
-    for name in ("seed", "compile_kernels", "note"):
-        assert getattr(copied, name) == getattr(optimizer, name), name
+    for name in kept:
+        ours, theirs = getattr(optimizer, name), getattr(copied, name)
+        assert type(theirs) is type(ours), name
+        assert name == "strategy" or theirs == ours, name
     # (torch's __setstate__ may add keys, e.g. 'differentiable', to defaults)
     assert copied.defaults.items() >= optimizer.defaults.items()
-    assert type(copied.strategy) is type(optimizer.strategy)
     for g in grads[3:]:
         _step(optimizer, params, g)
         _step(copied, params_copy, g)
@@ -93,12 +116,12 @@ def test_copies_keep_every_public_attribute_and_step_identically(how):
 # --- the learning rate -------------------------------------------------------------
 
 
-def test_tensor_lr_steps_as_the_same_float_lr():
+def test_tensor_lr_steps_as_the_same_float_lr(optimizer_class):
     """As torch.optim.Adam accepts ``lr=torch.tensor(...)``."""
     runs = []
     for lr in (LR, torch.tensor(LR)):
         params = _params()
-        optimizer = Kron(params, lr=lr, weight_decay=0.1)
+        optimizer = _make(optimizer_class, params, lr=lr, weight_decay=0.1)
         for g in _grads(3):
             _step(optimizer, params, g)
         runs.append(_values(params))
@@ -106,13 +129,13 @@ def test_tensor_lr_steps_as_the_same_float_lr():
 
 
 @pytest.mark.parametrize("lr_kind", ["float", "tensor"])
-def test_lambda_lr_scheduler_drives_the_steps(lr_kind):
+def test_lambda_lr_scheduler_drives_the_steps(optimizer_class, lr_kind):
     """LambdaLR with factor 0 on odd epochs: those steps leave the parameters
     (no weight decay) where they were, the others move them; the scheduler's
     and the optimizer's lr agree, and both round-trip through state_dict."""
     params = _params()
     lr = LR if lr_kind == "float" else torch.tensor(LR)
-    optimizer = Kron(params, lr=lr)
+    optimizer = _make(optimizer_class, params, lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda epoch: 0.0 if epoch % 2 else 1.0
     )
@@ -123,7 +146,7 @@ def test_lambda_lr_scheduler_drives_the_steps(lr_kind):
         assert moved == (epoch % 2 == 0), epoch
         scheduler.step()
         assert float(optimizer.param_groups[0]["lr"]) == scheduler.get_last_lr()[0]
-    restored = Kron(_params(), lr=lr)
+    restored = _make(optimizer_class, _params(), lr=lr)
     restored_scheduler = torch.optim.lr_scheduler.LambdaLR(
         restored, lambda epoch: 0.0 if epoch % 2 else 1.0
     )
@@ -144,11 +167,11 @@ def test_lambda_lr_scheduler_drives_the_steps(lr_kind):
     ],
     ids=["StepLR", "CosineAnnealingLR", "OneCycleLR", "LinearLR"],
 )
-def test_schedulers_set_the_lr_each_step_uses(make_scheduler):
+def test_schedulers_set_the_lr_each_step_uses(optimizer_class, make_scheduler):
     """The run with a scheduler equals a run given the same lr by hand."""
     params, manual = _params(), _params()
-    optimizer = Kron(params, lr=LR)
-    by_hand = Kron(manual, lr=LR)
+    optimizer = _make(optimizer_class, params, lr=LR)
+    by_hand = _make(optimizer_class, manual, lr=LR)
     scheduler = make_scheduler(optimizer)
     lrs = set()
     for g in _grads(5):
@@ -161,9 +184,9 @@ def test_schedulers_set_the_lr_each_step_uses(make_scheduler):
     _assert_equal(_values(params), _values(manual))
 
 
-def test_reduce_lr_on_plateau_lowers_the_lr():
+def test_reduce_lr_on_plateau_lowers_the_lr(optimizer_class):
     params = _params()
-    optimizer = Kron(params, lr=LR)
+    optimizer = _make(optimizer_class, params, lr=LR)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
         optimizer, patience=0, factor=0.5
     )
@@ -185,7 +208,7 @@ def _non_leaf():
 
 
 BAD_CONSTRUCTIONS = {
-    # name: (Kron's arguments, torch.optim.Adam's equivalent)
+    # name: (our arguments, torch.optim.Adam's equivalent)
     "negative_lr": (lambda: ([_leaf()], dict(lr=-0.01)), dict(lr=-0.01)),
     "string_lr": (lambda: ([_leaf()], dict(lr="0.1")), dict(lr="0.1")),
     "two_element_tensor_lr": (
@@ -206,12 +229,12 @@ BAD_CONSTRUCTIONS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CONSTRUCTIONS))
-def test_bad_construction_raises_as_torch_optimizers_do(case):
+def test_bad_construction_raises_as_torch_optimizers_do(optimizer_class, case):
     make, adam_kwargs = BAD_CONSTRUCTIONS[case]
     params, kwargs = make()
     errors = (TypeError, ValueError, RuntimeError)
     with pytest.raises(errors) as ours:
-        Kron(params, **kwargs)
+        _make(optimizer_class, params, **kwargs)
     params, _ = make()
     with pytest.raises(errors) as adams:
         torch.optim.Adam(params, **adam_kwargs)
@@ -219,26 +242,26 @@ def test_bad_construction_raises_as_torch_optimizers_do(case):
     assert str(ours.value)
 
 
-def test_a_parameter_in_two_groups_is_refused_as_torch_does():
+def test_a_parameter_in_two_groups_is_refused_as_torch_does(optimizer_class):
     p, q = _leaf(), _leaf()
     groups = [{"params": [p]}, {"params": [p, q]}]
     with pytest.raises(ValueError, match="more than one parameter group"):
-        Kron(groups)
+        _make(optimizer_class, groups)
     with pytest.raises(ValueError, match="more than one parameter group"):
         torch.optim.Adam(groups)
 
 
-def test_a_duplicate_parameter_in_one_group_warns_as_torch_does():
+def test_a_duplicate_parameter_in_one_group_warns_as_torch_does(optimizer_class):
     p = _leaf()
-    for make in (Kron, torch.optim.Adam):
+    for make in (optimizer_class, torch.optim.Adam):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             make([p, p])
         assert any("duplicate parameters" in str(w.message) for w in caught), make
 
 
-def test_sparse_gradient_raises_runtime_error_as_adam_does():
-    for make in (Kron, torch.optim.Adam):
+def test_sparse_gradient_raises_runtime_error_as_adam_does(optimizer_class):
+    for make in (optimizer_class, torch.optim.Adam):
         embedding = torch.nn.Embedding(5, 2, sparse=True)
         optimizer = make(embedding.parameters())
         embedding(torch.tensor([1, 2])).sum().backward()
@@ -247,7 +270,9 @@ def test_sparse_gradient_raises_runtime_error_as_adam_does():
 
 
 @pytest.mark.parametrize("wrong", ["another_group_count", "another_group_size"])
-def test_loading_a_wrong_state_dict_raises_value_error_as_torch_does(wrong):
+def test_loading_a_wrong_state_dict_raises_value_error_as_torch_does(
+    optimizer_class, wrong
+):
     def source(make):
         if wrong == "another_group_count":
             optimizer = make([{"params": [_leaf()]}, {"params": [_leaf()]}])
@@ -255,7 +280,7 @@ def test_loading_a_wrong_state_dict_raises_value_error_as_torch_does(wrong):
             optimizer = make([_leaf(), _leaf()])
         return optimizer.state_dict()
 
-    for make in (Kron, torch.optim.Adam):
+    for make in (optimizer_class, torch.optim.Adam):
         target = make([_leaf()])
         before = copy.deepcopy(target.state_dict())
         with pytest.raises(ValueError, match="group"):
@@ -267,9 +292,9 @@ def test_loading_a_wrong_state_dict_raises_value_error_as_torch_does(wrong):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad(set_to_none):
+def test_zero_grad(optimizer_class, set_to_none):
     params = _params()
-    optimizer = Kron(params)
+    optimizer = _make(optimizer_class, params)
     for p, g in zip(params, _grads(1)[0], strict=True):
         p.grad = g
     optimizer.zero_grad(set_to_none=set_to_none)
@@ -280,9 +305,11 @@ def test_zero_grad(set_to_none):
             assert torch.equal(p.grad, torch.zeros_like(p))
 
 
-def test_add_param_group_fills_defaults_steps_the_new_group_and_refuses_bad_values():
+def test_add_param_group_fills_defaults_steps_the_new_group_and_refuses_bad_values(
+    optimizer_class,
+):
     params = _params()
-    optimizer = Kron(params[:2], lr=LR, weight_decay=0.1)
+    optimizer = _make(optimizer_class, params[:2], lr=LR, weight_decay=0.1)
     optimizer.add_param_group({"params": [params[2]], "lr": 0.5})
     group = optimizer.param_groups[1]
     assert group["lr"] == 0.5
@@ -295,9 +322,9 @@ def test_add_param_group_fills_defaults_steps_the_new_group_and_refuses_bad_valu
     assert len(optimizer.param_groups) == 2
 
 
-def test_state_dict_round_trip_continues_bit_identically():
+def test_state_dict_round_trip_continues_bit_identically(optimizer_class):
     params, twin = _params(), _params()
-    optimizer = Kron(params, lr=LR, weight_decay=0.1)
+    optimizer = _make(optimizer_class, params, lr=LR, weight_decay=0.1)
     grads = _grads(6)
     for g in grads[:3]:
         _step(optimizer, params, g)
@@ -307,7 +334,7 @@ def test_state_dict_round_trip_continues_bit_identically():
     with torch.no_grad():
         for p, q in zip(twin, params, strict=True):
             p.copy_(q)
-    restored = Kron(twin, lr=LR, weight_decay=0.1)
+    restored = _make(optimizer_class, twin, lr=LR, weight_decay=0.1)
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     for g in grads[3:]:
         _step(optimizer, params, g)
@@ -315,9 +342,9 @@ def test_state_dict_round_trip_continues_bit_identically():
     _assert_equal(_values(twin), _values(params))
 
 
-def test_closure_is_evaluated_with_gradients_and_its_loss_returned():
+def test_closure_is_evaluated_with_gradients_and_its_loss_returned(optimizer_class):
     params = _params()
-    optimizer = Kron(params, lr=LR)
+    optimizer = _make(optimizer_class, params, lr=LR)
 
     def closure():
         optimizer.zero_grad()
@@ -334,18 +361,18 @@ def test_closure_is_evaluated_with_gradients_and_its_loss_returned():
     assert not torch.equal(params[0], before[0])
 
 
-def test_a_step_without_gradients_changes_nothing():
+def test_a_step_without_gradients_changes_nothing(optimizer_class):
     params = _params()
-    optimizer = Kron(params, lr=LR, weight_decay=0.1)
+    optimizer = _make(optimizer_class, params, lr=LR, weight_decay=0.1)
     before = _values(params)
     optimizer.step()
     _assert_equal(_values(params), before)
     assert not optimizer.state
 
 
-def test_step_hooks_run_around_each_step_until_removed():
+def test_step_hooks_run_around_each_step_until_removed(optimizer_class):
     params = _params()
-    optimizer = Kron(params, lr=LR)
+    optimizer = _make(optimizer_class, params, lr=LR)
     calls = []
     pre = optimizer.register_step_pre_hook(
         lambda opt, args, kwargs: calls.append(("pre", opt is optimizer))
@@ -362,15 +389,73 @@ def test_step_hooks_run_around_each_step_until_removed():
     assert len(calls) == 2
 
 
-def test_state_dict_hooks_run():
+def test_state_dict_hooks_run(optimizer_class):
     params = _params()
-    optimizer = Kron(params, lr=LR)
+    optimizer = _make(optimizer_class, params, lr=LR)
     seen = []
     optimizer.register_state_dict_pre_hook(lambda opt: seen.append("save"))
     optimizer.register_load_state_dict_post_hook(lambda opt: seen.append("load"))
     _step(optimizer, params, _grads(1)[0])
     optimizer.load_state_dict(optimizer.state_dict())
     assert seen == ["save", "load"]
+
+
+def test_per_group_overrides_are_kept_and_used(optimizer_class):
+    """A group's own lr (0: its parameters stay) and weight decay override the
+    defaults, and survive a state_dict round trip into a fresh optimizer."""
+    params = _params()
+    groups = [
+        {"params": params[:1], "lr": 0.0},
+        {"params": params[1:], "weight_decay": 0.1},
+    ]
+    optimizer = _make(optimizer_class, groups, lr=LR)
+    before = _values(params)
+    for g in _grads(2):
+        _step(optimizer, params, g)
+    after = _values(params)
+    assert torch.equal(after[0], before[0])
+    assert not torch.equal(after[1], before[1])
+    fresh = _make(optimizer_class, [{"params": params[:1]}, {"params": params[1:]}])
+    fresh.load_state_dict(optimizer.state_dict())
+    assert [g["lr"] for g in fresh.param_groups] == [0.0, LR]
+    assert [g["weight_decay"] for g in fresh.param_groups] == [0.0, 0.1]
+
+
+def test_each_stage_of_a_step_is_a_profiler_range(optimizer_class):
+    """``torch.profiler`` shows where a step's time goes, under the names of
+    the JAX side's ``jax.named_scope``s (precond/<optimizer>/<stage>)."""
+    params = _params()
+    optimizer = _make(optimizer_class, params, lr=LR)
+    prefix = OPTIMIZERS[optimizer_class.__name__][2]
+    for p, g in zip(params, _grads(1)[0], strict=True):
+        p.grad = g
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        optimizer.step()
+    names = {event.name for event in prof.events()}
+    assert {f"{prefix}/{stage}" for stage in STAGES} <= names
+
+
+def test_torch_compile_of_the_step_steps_as_the_eager_step(optimizer_class):
+    """``torch.compile(optimizer.step)`` traces (graph breaks at the step's host
+    syncs: the usable-gradients check and the fit decision) and steps bit for
+    bit as the eager step. Dynamo's eager backend keeps the test's CPU time low
+    (Inductor's code generation is covered by ``compile_kernels``'s tests)."""
+    params, twin = _params(), _params()
+    compiled = _make(optimizer_class, params, lr=LR, weight_decay=0.1)
+    eager = _make(optimizer_class, twin, lr=LR, weight_decay=0.1)
+    step = torch.compile(compiled.step, backend="eager")
+    torch._dynamo.reset()
+    try:
+        for g in _grads(2):
+            for p, q, x in zip(params, twin, g, strict=True):
+                p.grad, q.grad = x.clone(), x.clone()
+            step()
+            eager.step()
+    finally:
+        torch._dynamo.reset()
+    _assert_equal(_values(params), _values(twin))
 
 
 # --- K-FAC: the rows that apply to a gradient preconditioner --------------------------
@@ -428,22 +513,36 @@ def test_kfac_copy_keeps_public_attributes_and_preconditions_identically(
     _assert_equal(step(model_copy, copied), step(model, preconditioner))
 
 
+def test_kfac_each_stage_is_a_profiler_range(kfac_setup):
+    model, make, step = kfac_setup
+    preconditioner = make(model)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        step(model, preconditioner)
+    names = {event.name for event in prof.events()}
+    stages = ("update_factors", "update_second_order", "precondition")
+    assert {f"precond/kfac/{stage}" for stage in stages} <= names
+
+
 def test_kfac_bad_lr_raises_value_error_as_torch_optimizers_do(kfac_setup):
     model, make, _ = kfac_setup
     with pytest.raises(ValueError, match="Invalid lr=-1"):
         make(model, lr=-1)
 
 
-def test_zero_gradients_leave_the_parameters_in_place_and_repr_lists_the_groups():
+def test_zero_gradients_leave_the_parameters_in_place_and_repr_lists_the_groups(
+    optimizer_class,
+):
     """As torch's optimizers without weight decay: zero gradients move nothing
     (U = P·0 = 0), though the step is counted; ``repr`` shows each group."""
     params = _params()
-    optimizer = Kron(params, lr=LR)
+    optimizer = _make(optimizer_class, params, lr=LR)
     before = _values(params)
     for _ in range(3):
         _step(optimizer, params, [torch.zeros_like(p) for p in params])
     _assert_equal(_values(params), before)
     assert all(optimizer.state[p]["step"] == 3 for p in params)
     text = repr(optimizer)
-    assert text.startswith("Kron (")
-    assert "max_skew_triangular: 10" in text
+    assert text.startswith(f"{optimizer_class.__name__} (")
+    assert f"lr: {LR}" in text
