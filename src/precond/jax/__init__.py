@@ -46,6 +46,7 @@ from precond.jax.pro import (
     scale_by_pro,
 )
 from precond.jax.shampoo import (
+    SCALE_BY_SHAMPOO_STATIC_ARGS,
     SHAMPOO_STATIC_ARGS,
     GraftingType,
     InitFnState,
@@ -57,6 +58,7 @@ from precond.jax.shampoo import (
     distributed_shampoo,
     distributed_shampoo_partition_specs,
     distributed_shampoo_state_shapes,
+    scale_by_shampoo,
     seed_parameter_stats,
     shampoo_state_from_seed,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "KRON_STATIC_ARGS",
     "LRA_STATIC_ARGS",
     "PRO_STATIC_ARGS",
+    "SCALE_BY_SHAMPOO_STATIC_ARGS",
     "SHAMPOO_STATIC_ARGS",
     "GraftingType",
     "InitFnState",
@@ -100,6 +103,7 @@ __all__ = [
     "scale_by_kron",
     "scale_by_lra",
     "scale_by_pro",
+    "scale_by_shampoo",
     "scale_by_xmat",
     "seed_parameter_stats",
     "shampoo_state_from_seed",

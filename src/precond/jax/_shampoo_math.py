@@ -194,15 +194,8 @@ def matrix_inverse_pth_root(
     deflated = None
     # LOBPCG needs more than 5k rows; smaller statistics are rooted as they are.
     if 0 < 5 * lobpcg_topk_precondition < n:
-        eigenvalues, vectors = _top_eigenpairs(
-            work, lobpcg_topk_precondition, lobpcg_max_iter
-        )
-        smallest = jnp.min(eigenvalues)
-        deflation = jnp.sqrt(eigenvalues - smallest) * vectors
-        undeflated = work
-        work = work - _matmul(deflation, deflation.T, lax.Precision.HIGHEST)
-        top = jnp.max(eigenvalues)
-        deflated = (undeflated, eigenvalues, vectors, smallest)
+        deflated = _deflation(work, lobpcg_topk_precondition, lobpcg_max_iter)
+        work, top = deflated.matrix, jnp.max(deflated.eigenvalues)
     elif relative_matrix_epsilon:
         _, top = power_iteration(work, error_tolerance=1e-6, precision=precision)
     else:
@@ -211,8 +204,43 @@ def matrix_inverse_pth_root(
     if n == 1:
         root = _scaled_up((work + ridge) ** (-1.0 / p), exponent, p)
         return root.astype(matrix.dtype), jnp.zeros((), jnp.float32)
-    identity = jnp.eye(n, dtype=work.dtype)
-    damped = work + ridge * identity
+    root, error = _coupled_newton(
+        work + ridge * jnp.eye(n, dtype=work.dtype),
+        p,
+        num_iters,
+        error_tolerance,
+        precision,
+    )
+    if deflated is not None:
+        root, error = _inflated(root, deflated, ridge, p)
+    root = _scaled_up(root, exponent, p)
+    return root.astype(matrix.dtype), error
+
+
+class _Deflation(NamedTuple):
+    """A matrix with its top eigenpairs deflated to the smallest of them."""
+
+    matrix: jax.Array  # A_d = A − Σ (λ_i − λ_k)·v_i·v_iᵀ
+    undeflated: jax.Array  # A
+    eigenvalues: jax.Array  # (k,) λ_i
+    vectors: jax.Array  # (n, k) v_i
+    smallest: jax.Array  # λ_k
+
+
+def _deflation(work: jax.Array, k: int, iterations: int) -> _Deflation:
+    """A with its k largest eigenpairs (LOBPCG) lowered to the k-th."""
+    eigenvalues, vectors = _top_eigenpairs(work, k, iterations)
+    smallest = jnp.min(eigenvalues)
+    deflation = jnp.sqrt(eigenvalues - smallest) * vectors
+    deflated = work - _matmul(deflation, deflation.T, lax.Precision.HIGHEST)
+    return _Deflation(deflated, work, eigenvalues, vectors, smallest)
+
+
+def _coupled_newton(damped, p: int, num_iters: int, error_tolerance, precision):
+    """(H, e): the coupled Newton iteration for A'^{-1/p} (``damped`` = A'),
+    stopped at e = max|M − I| <= ``error_tolerance``, ``num_iters`` steps, or a
+    rise of e by more than DIVERGENCE_FACTOR (then the previous H)."""
+    identity = jnp.eye(damped.shape[-1], dtype=damped.dtype)
     z = (1 + p) / (2 * jnp.linalg.norm(damped))
     m0 = z * damped
     h0 = z ** (1.0 / p) * identity
@@ -233,20 +261,23 @@ def matrix_inverse_pth_root(
     carry = (0, m0, h0, h0, e0, jnp.asarray(True))
     _, m, h, previous_h, _, improving = lax.while_loop(keep_going, step, carry)
     root = jnp.where(improving, h, previous_h)
-    error = jnp.max(jnp.abs(m - identity)).astype(jnp.float32)
-    if deflated is not None:
-        undeflated, eigenvalues, vectors, smallest = deflated
-        gap = _inverse_root_gap(ridge, smallest, eigenvalues, p)
-        inflation = jnp.sqrt(gap) * vectors
-        root = root - _matmul(inflation, inflation.T, lax.Precision.HIGHEST)
-        residual = _matmul(
-            _matrix_power(root, p, lax.Precision.HIGHEST),
-            undeflated + ridge * identity,
-            lax.Precision.HIGHEST,
-        )
-        error = jnp.max(jnp.abs(residual - identity)).astype(jnp.float32)
-    root = _scaled_up(root, exponent, p)
-    return root.astype(matrix.dtype), error
+    return root, jnp.max(jnp.abs(m - identity)).astype(jnp.float32)
+
+
+def _inflated(root, deflated: _Deflation, ridge, p: int):
+    """(H, e): the root of the deflated matrix with its top eigenpairs restored,
+    H = H_d − Σ ((ε'+λ_k)^{-1/p} − (ε'+λ_i)^{-1/p})·v_i·v_iᵀ, and its error
+    max|H^p·(A + ε'I) − I| on the undeflated A."""
+    gap = _inverse_root_gap(ridge, deflated.smallest, deflated.eigenvalues, p)
+    inflation = jnp.sqrt(gap) * deflated.vectors
+    root = root - _matmul(inflation, inflation.T, lax.Precision.HIGHEST)
+    identity = jnp.eye(root.shape[-1], dtype=root.dtype)
+    residual = _matmul(
+        _matrix_power(root, p, lax.Precision.HIGHEST),
+        deflated.undeflated + ridge * identity,
+        lax.Precision.HIGHEST,
+    )
+    return root, jnp.max(jnp.abs(residual - identity)).astype(jnp.float32)
 
 
 def matrix_inverse_pth_root_eigh(
