@@ -12,21 +12,30 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from precond._common.factor_plan import MEMORY_SAVE_MODES
-from precond._common.schedules import check_update_prob_schedule
-from precond._common.validation import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_real,
+from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
+from precond._common.kron_constants import (
+    BLOCK_PADDINGS,
+    MERGE_RULES,
+    NOISE_DRAWS,
+    PRECONDITIONER_CACHES,
 )
-from precond.jax import _kron_math as km
-from precond.jax._kron_layout import BLOCK_PADDINGS, MERGE_RULES
+from precond._common.schedules import check_update_prob_schedule
+from precond._common.validation import check_bool, check_choice, check_int, check_real
 from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
 
-# Layouts of the cached P_i = Q_iᵀQ_i (see scale_by_kron's preconditioner_cache).
-PRECONDITIONER_CACHES = ("packed", "dense", None)
-# Where a factor update's random draws come from (scale_by_kron's noise_draws).
-NOISE_DRAWS = ("per_block", "distributed_kron")
+__all__ = [
+    "KRON_ALIAS_ARGS",
+    "KRON_ARGUMENT_CHECKS",
+    "KRON_STATIC_ARGS",
+    "NOISE_DRAWS",
+    "PRECONDITIONER_CACHES",
+    "precond_update_prob_schedule",
+    "validate_kron_arguments",
+]
+
+# kron's own arguments, which scale_by_kron accepts and ignores (as
+# distributed-kron's does), so that one dict of kron arguments serves both.
+KRON_ALIAS_ARGS = ("learning_rate", "weight_decay", "weight_decay_mask")
 # Integer arguments that fix shapes or seeds: they must stay Python ints, so pass
 # them as ``static_args`` to ``optax.inject_hyperparams``.
 KRON_STATIC_ARGS = (
@@ -94,13 +103,14 @@ def _positive(name, value, **kwargs) -> None:
 
 # One check per argument of scale_by_kron, in signature order; each raises
 # ``Invalid <name>=<value!r>: must be <rule>`` (TypeError for a wrong type).
+_SHARED = KRON_SHARED_ARGUMENT_CHECKS
 KRON_ARGUMENT_CHECKS = {
-    "b1": functools.partial(check_real, low=0.0, high=1.0, high_inclusive=False),
+    "b1": _SHARED["b1"],
     "preconditioner_update_probability": functools.partial(
         check_real, low=0.0, high=1.0, allow_schedule=True
     ),
-    "max_size_triangular": functools.partial(check_int, low=0),
-    "min_ndim_triangular": functools.partial(check_int, low=0),
+    "max_size_triangular": _SHARED["max_size_triangular"],
+    "min_ndim_triangular": _SHARED["min_ndim_triangular"],
     "memory_save_mode": functools.partial(check_choice, choices=MEMORY_SAVE_MODES),
     "preconditioner_lr": _positive,
     "preconditioner_init_scale": _positive,
@@ -115,21 +125,17 @@ KRON_ARGUMENT_CHECKS = {
     "scanned_layers": _checked_at_init,
     "lax_map_scanned_layers": check_bool,
     "lax_map_batch_size": functools.partial(check_int, low=1),
-    "merge_small_dims": check_bool,
-    "target_merged_dim_size": functools.partial(check_int, low=1),
+    "merge_small_dims": _SHARED["merge_small_dims"],
+    "target_merged_dim_size": _SHARED["target_merged_dim_size"],
     "partition_grads_into_blocks": check_bool,
     "block_size": functools.partial(check_int, low=1),
     "params_partition_specs": _checked_at_init,
     "preconditioner_partition_spec": _check_partition_spec,
     # Keyword-only, after distributed-kron's arguments.
-    "momentum_into_precond_update": check_bool,
+    "momentum_into_precond_update": _SHARED["momentum_into_precond_update"],
     "mesh": _check_mesh,
-    "preconditioner_cache": functools.partial(
-        check_choice, choices=PRECONDITIONER_CACHES
-    ),
-    "preconditioner_update_style": functools.partial(
-        check_choice, choices=km.UPDATE_STYLES
-    ),
+    "preconditioner_cache": _SHARED["preconditioner_cache"],
+    "preconditioner_update_style": _SHARED["preconditioner_update_style"],
     "seed": check_int,
     "merge_rule": functools.partial(check_choice, choices=MERGE_RULES),
     "independent_scanned_layers": check_bool,

@@ -8,8 +8,9 @@ from typing import Any
 
 import jax
 
-# Probability of balancing the factors' norms on a preconditioner update.
-BALANCE_PROBABILITY = 0.01
+from precond._common.kron_constants import BALANCE_PROBABILITY
+
+__all__ = ["BALANCE_PROBABILITY", "fit_randomness", "unit_noise"]
 
 
 def fit_randomness(key: jax.Array) -> tuple[jax.Array, jax.Array]:
