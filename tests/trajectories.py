@@ -19,6 +19,7 @@ emitter, one torch thread): the numbers depend on them.
 import tests.conftest  # noqa: F401  # isort: skip  (XLA/torch settings before jax)
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -30,8 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
+import torch.nn.functional as F
 
 import precond.jax as pj
+import precond.torch as pt
+from precond.torch.kfac import KFAC
 
 STEPS = 20
 SEEDS = (0, 1)
@@ -164,7 +168,6 @@ JAX_CASES = [
         "kron_blocks_quad", kron(block_size=4, preconditioner_update_style="QUAD")
     ),
     jax_case("kron_blocks_dk", kron(block_size=4, block_padding="distributed_kron")),
-    jax_case("kron_no_blocks", kron(partition_grads_into_blocks=False, block_size=4)),
     jax_case("kron_scanned", kron(scanned_layers=SCANNED_FLAGS), SCANNED),
     jax_case(
         "kron_scanned_independent",
@@ -183,7 +186,6 @@ JAX_CASES = [
     jax_case("kron_diagonal_large_axes", kron(max_size_triangular=8)),
     jax_case("kron_one_diag", kron(memory_save_mode="one_diag")),
     jax_case("kron_all_diag", kron(memory_save_mode="all_diag")),
-    jax_case("kron_min_ndim_3", kron(min_ndim_triangular=3)),
     jax_case("kron_prob_03", kron(preconditioner_update_probability=0.3)),
     jax_case(
         "kron_quad_prob_03",
@@ -198,22 +200,195 @@ JAX_CASES = [
     jax_case("kron_noise_dk", kron(noise_draws="distributed_kron", seed=7)),
     jax_case("kron_bf16", kron(precond_dtype=jnp.bfloat16, mu_dtype=jnp.bfloat16)),
     jax_case("kron_newton", kron(), step=newton_step),
+    # pro: draws, styles, blocks, schedules, scanned layers, dtypes, options.
+    jax_case("pro_default", pro()),
+    jax_case("pro_compact", pro(draws="compact")),
+    jax_case("pro_quad", pro(preconditioner_update_style="QUAD")),
+    jax_case("pro_blocks", pro(block_size=4)),
+    jax_case("pro_prob_03", pro(preconditioner_update_probability=0.3)),
+    jax_case("pro_scanned", pro(scanned_layers=SCANNED_FLAGS), SCANNED),
+    jax_case("pro_small_dense", pro(max_size_dense=8)),
+    jax_case("pro_options", pro(lr_style=None, normalize_grads=True)),
+    jax_case("pro_bf16", pro(dtype=jnp.bfloat16)),
+    # psgd-jax's XMat, LRA and Affine: gradient and Newton (Hessian-vector) modes.
+    jax_case("xmat", psgd(pj.xmat)),
+    jax_case("xmat_newton", psgd(pj.xmat), step=newton_step),
+    jax_case(
+        "xmat_options",
+        psgd(
+            pj.xmat,
+            preconditioner_update_probability=0.5,
+            nesterov=True,
+            weight_decay=0.01,
+            update_global_norm_clip=1.0,
+            step_normalizer_order="1st",
+        ),
+    ),
+    jax_case("lra", psgd(pj.lra)),
+    jax_case("lra_newton", psgd(pj.lra, uvd_rank_of_approximation=4), step=newton_step),
+    jax_case(
+        "lra_options",
+        psgd(pj.lra, balance_method="norm", preconditioner_update_probability=0.5),
+    ),
+    jax_case("affine", psgd(pj.affine)),
+    jax_case("affine_newton", psgd(pj.affine), step=newton_step),
+    jax_case(
+        "affine_diagonal",
+        psgd(pj.affine, max_size_triangular=8, max_skew_triangular=1),
+    ),
+    jax_case("affine_permuted", psgd(pj.affine, permute_axes=True)),
+    # Distributed Shampoo: grafting, blocks, schedules, quantized state, options.
+    jax_case("shampoo", shampoo()),
+    jax_case("shampoo_adagrad", shampoo(graft_type=pj.GraftingType.ADAGRAD)),
+    jax_case(
+        "shampoo_rmsprop_normalized",
+        shampoo(graft_type=pj.GraftingType.RMSPROP_NORMALIZED),
+    ),
+    jax_case("shampoo_blocks_4", shampoo(block_size=4)),
+    jax_case(
+        "shampoo_compute_steps",
+        shampoo(preconditioning_compute_steps=3, statistics_compute_steps=2),
+    ),
+    jax_case("shampoo_quantized", shampoo(quantize_statistics=True)),
+    jax_case("shampoo_eigh", shampoo(eigh=True)),
+    jax_case(
+        "shampoo_options",
+        shampoo(
+            nesterov=False,
+            moving_average_for_momentum=True,
+            weight_decay=0.01,
+            decoupled_weight_decay=True,
+            clip_by_scaled_gradient_norm=1.0,
+            merge_small_dims_block_size=16,
+        ),
+    ),
+    jax_case(
+        "shampoo_memory_mode",
+        shampoo(best_effort_memory_usage_reduction=True, exponent_override=2),
+    ),
 ]
 
 
-def jax_cases() -> list[Case]:
-    """Every JAX case."""
-    return JAX_CASES
+# -- torch ----------------------------------------------------------------------
 
 
-def torch_cases() -> list[Case]:
-    """Every torch case."""
-    return []
+@contextlib.contextmanager
+def one_torch_thread():
+    """Runs torch on one intra-op thread (its reductions' order depends on it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def as_torch(arrays: dict) -> dict[str, torch.Tensor]:
+    """NumPy arrays → torch tensors, by name."""
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
+def torch_trajectory(make, seed: int) -> dict[str, np.ndarray]:
+    """STEPS steps of ``make(params)`` on g_t = d⊙θ + n_t from ``problem``."""
+    params, curvature, noises = problem(MIXED, seed)
+    params = {k: torch.nn.Parameter(v) for k, v in as_torch(params).items()}
+    curvature = as_torch(curvature)
+    optimizer = make(list(params.values()))
+    for noise in map(as_torch, noises):
+        before = {k: p.detach().clone() for k, p in params.items()}
+        for k, p in params.items():
+            p.grad = curvature[k] * p.detach() + noise[k]
+        optimizer.step()
+    update = {k: p.detach() - before[k] for k, p in params.items()}
+    return recorded(seed, {k: p.detach() for k, p in params.items()}, update)
+
+
+def mlp_trajectory(options: dict, seed: int) -> dict[str, np.ndarray]:
+    """STEPS steps of K-FAC (``options``) + SGD(0.1) on a 4-6-3 tanh MLP fitting
+    fixed random (x_t, y_t) batches of 8 with the mean squared error."""
+    rng = np.random.default_rng(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32)))
+    preconditioner = KFAC(model, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        x, y = (rng.standard_normal((8, n)).astype(np.float32) for n in (4, 3))
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        optimizer.zero_grad()
+        F.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        preconditioner.step()
+        optimizer.step()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    return recorded(seed, params, {k: p - before[k] for k, p in params.items()})
+
+
+def run_torch(trajectory, setting) -> dict[str, np.ndarray]:
+    """``trajectory(setting, seed)`` for every seed, on one torch thread."""
+    arrays = {}
+    with one_torch_thread():
+        for seed in SEEDS:
+            arrays.update(trajectory(setting, seed))
+    return arrays
+
+
+def torch_case(name, make) -> Case:
+    """A torch case: ``make(params)`` builds the torch.optim optimizer."""
+    return Case(name, functools.partial(run_torch, torch_trajectory, make))
+
+
+def kfac_case(name, **options) -> Case:
+    """A K-FAC case: ``options`` of ``KFAC`` (SGD applies the step)."""
+    return Case(name, functools.partial(run_torch, mlp_trajectory, options))
+
+
+def torch_kron(**kwargs) -> Callable:
+    """Builds ``pt.Kron`` with learning rate 0.01 and ``kwargs``."""
+    return lambda params: pt.Kron(params, lr=0.01, **kwargs)
+
+
+def torch_pro(**kwargs) -> Callable:
+    """Builds ``pt.Pro`` with learning rate 0.01 and ``kwargs``."""
+    return lambda params: pt.Pro(params, lr=0.01, **kwargs)
+
+
+TORCH_CASES = [
+    torch_case("torch_kron_eq", torch_kron()),
+    torch_case("torch_kron_quad", torch_kron(preconditioner_update_style="QUAD")),
+    torch_case("torch_kron_pro", torch_kron(preconditioner_update_style="PRO")),
+    torch_case("torch_kron_prob_03", torch_kron(preconditioner_update_probability=0.3)),
+    torch_case(
+        "torch_kron_options",
+        torch_kron(
+            merge_small_dims=True,
+            memory_save_mode="one_diag",
+            weight_decay=0.01,
+            preconditioner_cache="packed",
+            update_clipping="rms",
+            damping=True,
+        ),
+    ),
+    torch_case("torch_pro", torch_pro()),
+    torch_case("torch_pro_prob_03", torch_pro(preconditioner_update_probability=0.3)),
+    torch_case("torch_pro_blocks", torch_pro(block_size=4, max_size_dense=8)),
+    kfac_case("torch_kfac_eigen"),
+    kfac_case(
+        "torch_kfac_inverse",
+        compute_method="inverse",
+        factor_update_steps=2,
+        inv_update_steps=4,
+        damping=0.01,
+        kl_clip=None,
+    ),
+]
 
 
 def all_cases() -> dict[str, Case]:
     """The table: case name → case."""
-    cases = jax_cases() + torch_cases()
+    cases = JAX_CASES + TORCH_CASES
     table = {case.name: case for case in cases}
     assert len(table) == len(cases), "duplicate case names"
     return table
