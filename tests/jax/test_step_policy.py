@@ -4,11 +4,15 @@ squares overflow) skipped without touching the state."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import precond.jax as pj
 from precond.jax import _step_policy as policy
 
 
@@ -86,3 +90,143 @@ def test_overflowed_fit_keeps_the_old_factors():
     got = policy.keep_if_overflowed(fitted, old)
     np.testing.assert_array_equal(got[0], 2 * np.eye(2))
     assert got[0].dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------- the optimizers
+#
+# Every optimizer on the policy, through its public alias, in whitening mode (the
+# gradient alone: XMat, LRA and Affine fit to the gradient and their own noise
+# when no Hessian-vector product is passed). Fits are random (p = 0.5, noise), so
+# a skipped step that consumed a draw, advanced a counter or touched a factor
+# would show. pro's decoupled weight decay is off: it still applies on a skipped
+# step (README), and here the updates must be zero.
+
+POLICY_OPTIMIZERS = {
+    "xmat": lambda: pj.xmat(
+        learning_rate=0.1, preconditioner_update_probability=0.5, seed=3
+    ),
+    "lra": lambda: pj.lra(
+        learning_rate=0.1,
+        preconditioner_update_probability=0.5,
+        uvd_rank_of_approximation=2,
+        seed=3,
+    ),
+    "affine": lambda: pj.affine(
+        learning_rate=0.1, preconditioner_update_probability=0.5, seed=3
+    ),
+    "pro": lambda: pj.pro(
+        learning_rate=0.1, weight_decay=0.0, preconditioner_update_probability=0.5
+    ),
+}
+POLICY_NAMES = list(POLICY_OPTIMIZERS)
+# A finite float32 entry whose square overflows, beside NaN and ±Inf.
+BAD_ENTRIES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "1e30": 1e30}
+
+
+def _params():
+    return {"w": jnp.zeros((4, 3), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
+
+
+def _gradient(step: int):
+    """Usable gradient number ``step``: fixed, different every step."""
+    rng = np.random.default_rng(step)
+    return {
+        name: jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+        for name, x in _params().items()
+    }
+
+
+def _bad_gradient(step: int, bad: float):
+    grads = _gradient(step)
+    grads["w"] = grads["w"].at[1, 2].set(bad)
+    return grads
+
+
+@functools.cache
+def _jitted(name):
+    optimizer = POLICY_OPTIMIZERS[name]()
+    return optimizer.init, jax.jit(optimizer.update)
+
+
+def _leaves_bytes(tree):
+    """(structure, each leaf's dtype, shape and bytes): equal iff bitwise equal."""
+    leaves, treedef = jax.tree.flatten(jax.device_get(tree))
+    return treedef, [(x.dtype, x.shape, np.asarray(x).tobytes()) for x in leaves]
+
+
+def _assert_bitwise_equal(got, want):
+    got_def, got_leaves = _leaves_bytes(got)
+    want_def, want_leaves = _leaves_bytes(want)
+    assert got_def == want_def
+    assert len(got_leaves) == len(want_leaves)
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        assert g == w, f"leaf {i} differs"
+
+
+def _run(name, grads_sequence, state=None):
+    """(updates per step, final state) of the jitted update over the gradients."""
+    init, update = _jitted(name)
+    params = _params()
+    if state is None:
+        state = init(params)
+    out = []
+    for grads in grads_sequence:
+        updates, state = update(grads, state, params)
+        out.append(updates)
+    return out, state
+
+
+@pytest.mark.parametrize("bad", BAD_ENTRIES.values(), ids=list(BAD_ENTRIES))
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_unusable_step_returns_zeros_and_keeps_every_state_leaf(name, bad):
+    init, update = _jitted(name)
+    params = _params()
+    _, after_two = _run(name, [_gradient(1), _gradient(2)])
+    for state in (init(params), after_two):  # the first step, and a later one
+        updates, new_state = update(_bad_gradient(9, bad), state, params)
+        for u in jax.tree.leaves(updates):
+            assert u.dtype == jnp.float32
+            np.testing.assert_array_equal(u, np.zeros(u.shape, np.float32))
+        _assert_bitwise_equal(new_state, state)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_skipped_step_is_invisible_to_the_next_ones(name):
+    usable = [_gradient(n) for n in range(1, 6)]
+    want, want_state = _run(name, usable)
+    for u in jax.tree.leaves(want):
+        assert np.all(np.isfinite(u))
+        assert np.any(u != 0)
+    for bad in BAD_ENTRIES.values():
+        skipped = [*usable[:2], _bad_gradient(9, bad), *usable[2:]]
+        got, got_state = _run(name, skipped)
+        _assert_bitwise_equal(got[:2] + got[3:], want)
+        _assert_bitwise_equal(got_state, want_state)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_state_restored_from_a_copy_repeats_the_updates(name):
+    usable = [_gradient(n) for n in range(1, 7)]
+    want, want_state = _run(name, usable)
+    _, state = _run(name, usable[:3])
+    restored = jax.device_get(state)  # host copies: the draws come from the state
+    assert not any(isinstance(x, jax.Array) for x in jax.tree.leaves(restored))
+    got, got_state = _run(name, usable[3:], state=restored)
+    _assert_bitwise_equal(got, want[3:])
+    _assert_bitwise_equal(got_state, want_state)
+
+
+def test_pro_takes_a_zero_size_parameter_of_three_dims():
+    # merged_shape used to divide by the zero size of a (2, 0, 3) parameter.
+    params = {"empty": jnp.zeros((2, 0, 3)), "w": jnp.zeros((4, 3))}
+    optimizer = pj.pro(learning_rate=0.1)
+    state = optimizer.init(params)
+    update = jax.jit(optimizer.update)
+    for step in (1, 2):
+        grads = {"empty": jnp.zeros((2, 0, 3)), "w": _gradient(step)["w"]}
+        updates, state = update(grads, state, params)
+        assert updates["empty"].shape == (2, 0, 3)
+        assert np.all(np.isfinite(updates["w"]))
+        assert np.any(updates["w"] != 0)
+        params = optax.apply_updates(params, updates)
+    assert int(state[0].count) == 2
