@@ -537,3 +537,20 @@ def test_fitted_stacks_are_precond_jax_pros(monkeypatch):
     assert sorted(fits) == sorted(expected)
     # The 16x16 blocks of three parameters (2 + 2 + 1) share one fit.
     assert ((16, 16), (False, False), 5) in fits
+
+
+def test_a_zero_size_parameter_of_three_dims_beside_a_normal_one():
+    # merged_shape used to divide by the zero size of a (2, 0, 3) parameter.
+    assert merged_shape((2, 0, 3)) == (2, 0)  # the first split of least ratio
+    empty = torch.nn.Parameter(torch.zeros(2, 0, 3))
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    optimizer = Pro([empty, w], lr=0.1)
+    for step in range(2):
+        empty.grad = torch.zeros(2, 0, 3)
+        w.grad = torch.from_numpy(_fixed_normal((4, 3 + step))[:, :3].copy())
+        before = w.detach().clone()
+        optimizer.step()
+        assert empty.shape == (2, 0, 3)
+        assert torch.isfinite(w).all()
+        assert not torch.equal(w, before)
+    assert optimizer.state[w]["step"] == 2

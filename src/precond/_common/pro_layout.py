@@ -25,7 +25,8 @@ def merged_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape a parameter's preconditioner sees: () or (n,) for vectors (and
     for shapes whose dims are 1 but one), a 2-D shape as it is, and a higher
     one split into two groups of adjacent dims whose sizes have the smallest
-    ratio (the first such split)."""
+    ratio (the first such split; a zero-size group counts as size 1 in the
+    ratio, so a zero-size shape splits too)."""
     if len(shape) < 2:
         return tuple(shape)
     if math.prod(shape) == max(shape):
@@ -34,7 +35,7 @@ def merged_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(shape)
     ratios = [
         max(math.prod(shape[:s]), math.prod(shape[s:]))
-        / min(math.prod(shape[:s]), math.prod(shape[s:]))
+        / max(min(math.prod(shape[:s]), math.prod(shape[s:])), 1)
         for s in range(1, len(shape))
     ]
     split = 1 + int(np.argmin(ratios))
