@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import statistics
 import time
@@ -55,14 +54,3 @@ def median_time(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def json_safe(x: Any) -> Any:
-    """``x`` with every non-finite float replaced by None (strict JSON)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x

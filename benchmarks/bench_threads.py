@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from precond.bench.optimizers import OPTIMIZERS
+from precond.bench.report import write_json
 
 # Runs ``precond bench`` with argv[2:] in a process where the top-level module
 # argv[1] (if not "-") can be neither found nor imported.
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(report(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json)
     return result
 
 

@@ -57,6 +57,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from _common import loadavg, machine_info, median_time
 from precond.bench.hlo import collectives
+from precond.bench.report import write_json
 from precond.jax import kron
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "jax_sharded_lm.py"
@@ -362,8 +363,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, default=str)
+        write_json(result, args.json)
     return result
 
 

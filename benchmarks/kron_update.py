@@ -26,7 +26,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ import optax
 
 from _common import loadavg, machine_info, median_time
 from precond._common.factor_plan import plan_diagonal_axes
+from precond.bench.report import write_json
 from precond.jax import _kron_math as km
 from precond.jax import kron
 from precond.jax.kron import fit_randomness, unit_noise
@@ -558,8 +558,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return result
 
 

@@ -48,7 +48,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -77,7 +76,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import json_safe, loadavg, machine_info
+from _common import loadavg, machine_info
+from precond.bench.arguments import names
+from precond.bench.report import write_json
 from precond.jax import hessian_helper
 
 DEFAULT_STEPS = 50_000
@@ -337,7 +338,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
+        type=names(VARIANTS, "variant"),
+        default=list(VARIANTS),
+        metavar="A,B",
         help=f"comma-separated variants (default: all: {','.join(VARIANTS)})",
     )
     parser.add_argument("--steps", type=int, help=f"default {DEFAULT_STEPS}")
@@ -360,10 +363,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--out", metavar="DIR", help="write psgd_long_run.json and .md there"
     )
     args = parser.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     if args.steps < 20 or args.runs < 1:
         parser.error("--steps must be >= 20 and --runs >= 1")
@@ -408,8 +407,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "psgd_long_run.json"), "w") as f:
-            json.dump(json_safe(result), f, indent=2, allow_nan=False)
+        write_json(result, os.path.join(args.out, "psgd_long_run.json"))
         with open(os.path.join(args.out, "psgd_long_run.md"), "w") as f:
             f.write(f"command: `{cfg['command']}`\n\n{text}\n")
         log(f"wrote {args.out}/psgd_long_run.json and .md")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import statistics
 import sys
@@ -63,10 +62,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import json_safe, loadavg, machine_info
+from _common import loadavg, machine_info
+from precond.bench.arguments import learning_rate_grid, names, positive_int
 from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY
-from precond.bench.runner import learning_rate_schedule
-from precond.bench.workloads import batch_indices, get_workload
+from precond.bench.report import write_json
+from precond.bench.runner import RunConfig, training_loop
+from precond.bench.workloads import get_workload
 from precond.jax import hessian_helper
 
 WORKLOADS = ("digits-mlp", "char-lm")
@@ -191,16 +192,14 @@ def compile_step(workload, variant: Variant, factory, data, cfg: dict[str, Any])
     """The compiled train step (params, state, x, y, idx, step, lr, key) ↦ (params,
     state, loss), and ``init`` params ↦ optimizer state.
 
-    The peak learning rate is an argument, so a sweep compiles once: the optimizer
-    is built inside the trace with the rate times the unit schedule (its state does
-    not depend on the rate). The batch is gathered from the device-resident split.
+    The learning rate of the step is an argument, so a sweep compiles once: the
+    optimizer is built inside the trace with that rate (its state does not depend
+    on the rate). The batch is gathered from the device-resident split.
     """
-    unit = learning_rate_schedule(1.0, cfg["steps"], cfg["schedule"])
 
     def optimizer(lr):
-        rate = (lambda n: lr * unit(n)) if callable(unit) else lr * unit
         kwargs = {"weight_decay": DEFAULT_WEIGHT_DECAY, **variant.kwargs}
-        return factory(learning_rate=rate, **kwargs)
+        return factory(learning_rate=lr, **kwargs)
 
     def train_step(params, state, x_train, y_train, idx, step, lr, key):
         tx = optimizer(lr)
@@ -229,39 +228,61 @@ def compile_step(workload, variant: Variant, factory, data, cfg: dict[str, Any])
     return compiled, lambda p: optimizer(1.0).init(p)
 
 
-def train(compiled, init, workload, data, batches, lr: float, cfg) -> dict[str, Any]:
-    """One run from the seed's initial parameters. It stops early once the loss has
-    been non-finite for 10 consecutive steps; a run that stopped, or whose final
-    train loss exceeds its first step's loss, is marked diverged."""
-    params = workload.init_params(cfg["seed"])
-    state = init(params)
+def train(compiled, init, workload, data, score, lr: float, cfg) -> dict[str, Any]:
+    """One run from the seed's initial parameters, driven by ``precond bench``'s
+    :func:`precond.bench.runner.training_loop` (its minibatches, learning-rate
+    schedule and step timing; it stops at the first non-finite loss). A run that
+    stopped, or whose final train loss exceeds its first step's loss, is marked
+    diverged. ``score`` maps the params to the held-out split's metrics, taken
+    after the last step."""
+    carry = {"params": workload.init_params(cfg["seed"]), "step": 0}
+    carry["state"] = init(carry["params"])
     base_key = jax.random.PRNGKey(cfg["seed"])
-    losses, seconds, bad = [], [], 0
-    lr_arg = jnp.float32(lr)
-    for i, idx in enumerate(batches):
-        key = jax.random.fold_in(base_key, i)
-        start = time.perf_counter()
-        params, state, loss = jax.block_until_ready(
-            compiled(params, state, *data, idx, jnp.int32(i), lr_arg, key)
+
+    def step(idx, scale: float) -> tuple[float, bool]:
+        i = carry["step"]
+        carry["params"], carry["state"], loss = jax.block_until_ready(
+            compiled(
+                carry["params"],
+                carry["state"],
+                *data,
+                jnp.asarray(idx),
+                jnp.int32(i),
+                jnp.float32(lr * scale),
+                jax.random.fold_in(base_key, i),
+            )
         )
-        seconds.append(time.perf_counter() - start)
-        losses.append(float(loss))
-        bad = 0 if math.isfinite(losses[-1]) else bad + 1
-        if bad >= 10:
-            break
-    stopped = len(losses) < len(batches)
-    final = math.nan if stopped else statistics.fmean(losses[-cfg["last"] :])
+        carry["step"] = i + 1
+        return float(loss), False
+
+    def evaluate() -> tuple[float, float]:
+        metrics = score(carry["params"])
+        return float(metrics["loss"]), float(metrics["accuracy"])
+
+    config = RunConfig(
+        steps=cfg["steps"],
+        batch_size=cfg["batch_size"],
+        seed=cfg["seed"],
+        schedule=cfg["schedule"],
+        eval_every=cfg["steps"],
+    )
+    loop = training_loop(step, evaluate, config, len(data[0]))
+    losses, seconds = loop.minibatch_loss, loop.step_seconds
+    final = math.nan if loop.diverged else statistics.fmean(losses[-cfg["last"] :])
     timed = seconds[cfg["warmup"] :] or seconds
     return {
         "lr": lr,
         "final_train_loss": final,
-        "diverged": stopped or not final <= losses[0],
-        "stopped_at_step": len(losses) if stopped else None,
+        "diverged": loop.diverged or not final <= losses[0],
+        "stopped_at_step": len(losses) if loop.diverged else None,
         "median_step_s": statistics.median(timed),
         "losses": losses,
         "step_s": seconds,
-        "params": params,
-        "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state))),
+        "test": {
+            "loss": loop.history[-1]["val_loss"],
+            "accuracy": loop.history[-1]["val_accuracy"],
+        },
+        "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(carry["state"]))),
     }
 
 
@@ -275,13 +296,13 @@ def run_workload(name: str, variants, factories, cfg: dict, log) -> dict[str, An
     workload = get_workload(name)
     split = workload.load_split(workload.split_seed)
     wcfg = dict(cfg, steps=cfg["steps"][name], batch_size=cfg["batch_size"][name])
-    batches = batch_indices(
-        len(split.x_train), wcfg["batch_size"], wcfg["steps"], cfg["seed"]
-    )
-    batches = jnp.asarray(batches)
     data = jax.device_put((split.x_train, split.y_train))
     test = jax.device_put((split.x_test, split.y_test))
-    evaluate = jax.jit(workload.metrics)
+    metrics = jax.jit(workload.metrics)
+
+    def score(params):
+        return metrics(params, *test)
+
     results, adamw_step = [], None
     for v in variants:
         start = time.perf_counter()
@@ -292,9 +313,7 @@ def run_workload(name: str, variants, factories, cfg: dict, log) -> dict[str, An
         log(f"{name} {v.name}: compiled in {compile_s:.1f} s")
         runs = []
         for lr in cfg["lrs"][v.family]:
-            r = train(compiled, init, workload, data, batches, lr, wcfg)
-            metrics = evaluate(r.pop("params"), *test)
-            r["test"] = {k: float(x) for k, x in metrics.items()}
+            r = train(compiled, init, workload, data, score, lr, wcfg)
             log(
                 f"{name} {v.name} lr={lr:g}: train loss {r['final_train_loss']:.4g}, "
                 f"test loss {r['test']['loss']:.4g}, "
@@ -327,7 +346,7 @@ def run_workload(name: str, variants, factories, cfg: dict, log) -> dict[str, An
         # AdamW again after the others, so a change of machine load shows; the
         # reference time is the median over both passes.
         lr = adamw["runs"][adamw["best"]]["lr"]
-        again = train(*adamw_step, workload, data, batches, lr, wcfg)
+        again = train(*adamw_step, workload, data, score, lr, wcfg)
         again = again["step_s"][cfg["warmup"] :] or again["step_s"]
         first = [t for r in adamw["runs"] for t in r["step_s"][cfg["warmup"] :]]
         adamw["first_pass_median_step_s"] = statistics.median(first or again)
@@ -436,7 +455,7 @@ def workload_report(w: dict[str, Any], heading: str = "##") -> list[str]:
         out += [
             "\nTrain loss of every run of the sweep (learning rate: loss, lowest "
             "rate first; best in bold; diverged = a final loss above the first "
-            "step's, or 10 non-finite steps in a row, which stop the run):\n",
+            "step's, or a non-finite loss, which stops the run):\n",
             "| variant | " + " | ".join(f"lr {i + 1}" for i in range(width)) + " |",
             "|---|" + "---:|" * width,
         ]
@@ -503,89 +522,39 @@ def plot(res: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def _names(choices: Sequence[str], kind: str) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        unknown = [n for n in names if n not in choices]
-        if not names or unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind} {', '.join(map(repr, unknown))}; choose from "
-                + ", ".join(choices)
-            )
-        return list(dict.fromkeys(names))
-
-    return parse
-
-
-def lr_grid_parser(
-    families: Sequence[str],
-) -> Callable[[str], tuple[str, list[float]]]:
-    """An argparse type for FAMILY=LR[,LR...] with FAMILY one of ``families``."""
-
-    def parse(text: str) -> tuple[str, list[float]]:
-        family, _, values = text.partition("=")
-        family = family.strip()
-        if family not in families:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: give FAMILY=LR[,LR...] with FAMILY one of "
-                + ", ".join(families)
-            )
-        try:
-            lrs = sorted(float(x) for x in values.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: learning rates not numbers"
-            ) from None
-        if not lrs or not all(math.isfinite(x) and x > 0 for x in lrs):
-            raise argparse.ArgumentTypeError(f"{text!r}: learning rates must be > 0")
-        return family, lrs
-
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--variants",
-        type=_names(list(VARIANTS), "variant"),
+        type=names(list(VARIANTS), "variant"),
         default=list(VARIANTS),
         metavar="A,B",
         help=f"comma-separated variants (default: all: {','.join(VARIANTS)})",
     )
     parser.add_argument(
         "--workloads",
-        type=_names(WORKLOADS, "workload"),
+        type=names(WORKLOADS, "workload"),
         default=list(WORKLOADS),
         metavar="A,B",
         help=f"comma-separated workloads (default: {','.join(WORKLOADS)})",
     )
     parser.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         help="steps per run, for every workload (default: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items())
         + f"; {QUICK_STEPS} with --quick)",
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         help="minibatch size, for every workload (default: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_BATCH.items())
         + ")",
     )
     parser.add_argument(
         "--lr",
-        type=lr_grid_parser(list(LR_GRIDS)),
+        type=learning_rate_grid(list(LR_GRIDS)),
         action="append",
         default=[],
         metavar="FAMILY=LR,LR",
@@ -603,7 +572,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--last",
-        type=_positive_int,
+        type=positive_int,
         default=LAST_STEPS,
         help=f"steps averaged for the final train loss (default {LAST_STEPS})",
     )
@@ -660,8 +629,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(json_safe(result), f, indent=2, allow_nan=False)
+        write_json(result, args.json)
         log(f"wrote {args.json}")
     if args.plot:
         plot(result, args.plot)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -65,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import json_safe, loadavg, machine_info, median_time
+from _common import loadavg, machine_info, median_time
 from kron_update import (
     _is_shape,
     _table,
@@ -74,7 +73,14 @@ from kron_update import (
     random_tree,
     transformer_shapes,
 )
+from precond.bench.arguments import (
+    learning_rate_grid,
+    names,
+    positive_int,
+    positive_ints,
+)
 from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY, make_shampoo
+from precond.bench.report import write_json
 from precond.jax import (
     GraftingType,
     matrix_inverse_pth_root,
@@ -90,9 +96,6 @@ from psgd_variants import (
     WARMUP_STEPS,
     WORKLOADS,
     Variant,
-    _names,
-    _positive_int,
-    lr_grid_parser,
     run_workload,
     workload_report,
 )
@@ -499,10 +502,6 @@ def _roots_report(res: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------- main
 
 
-def _ints(text: str) -> list[int]:
-    return [_positive_int(x) for x in text.split(",") if x.strip()]
-
-
 SECTIONS = ("update", "roots", "loss")
 
 
@@ -510,28 +509,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sections",
-        type=_names(SECTIONS, "section"),
+        type=names(SECTIONS, "section"),
         default=list(SECTIONS),
         metavar="A,B",
         help=f"sections to run besides the matmul peak (default: {','.join(SECTIONS)})",
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         help="timed Shampoo steps at every = 1 (default 3, 1 with --quick); "
         "matmul and AdamW use 10× as many",
     )
     parser.add_argument(
-        "--windows", type=_positive_int, default=1, help="10-step windows at every=10"
+        "--windows", type=positive_int, default=1, help="10-step windows at every=10"
     )
-    parser.add_argument("--layers", type=_positive_int, help="layers (default 2)")
+    parser.add_argument("--layers", type=positive_int, help="layers (default 2)")
     parser.add_argument(
-        "--d-model", type=_positive_int, default=256, help="tree width (MLP 4×)"
+        "--d-model", type=positive_int, default=256, help="tree width (MLP 4×)"
     )
     parser.add_argument(
-        "--block-sizes", type=_ints, help="block sizes (default 128,512,1024)"
+        "--block-sizes", type=positive_ints, help="block sizes (default 128,512,1024)"
     )
-    parser.add_argument("--sizes", type=_ints, help="root sizes (default 128…2048)")
+    parser.add_argument(
+        "--sizes", type=positive_ints, help="root sizes (default 128…2048)"
+    )
     parser.add_argument(
         "--float64-max",
         type=int,
@@ -546,22 +547,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--variants",
-        type=_names(list(LOSS_VARIANTS), "variant"),
+        type=names(list(LOSS_VARIANTS), "variant"),
         metavar="A,B",
         help=f"loss-section variants (default {','.join(DEFAULT_VARIANTS)}; "
         f"choose from {','.join(LOSS_VARIANTS)})",
     )
     parser.add_argument(
         "--workloads",
-        type=_names(WORKLOADS, "workload"),
+        type=names(WORKLOADS, "workload"),
         default=list(WORKLOADS),
         metavar="A,B",
         help=f"loss-section workloads (default {','.join(WORKLOADS)})",
     )
-    parser.add_argument("--steps", type=_positive_int, help="steps, every workload")
+    parser.add_argument("--steps", type=positive_int, help="steps, every workload")
     parser.add_argument(
         "--lr",
-        type=lr_grid_parser(list(LR_GRIDS)),
+        type=learning_rate_grid(list(LR_GRIDS)),
         action="append",
         default=[],
         metavar="FAMILY=LR,LR",
@@ -704,8 +705,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["wall_s"] = time.perf_counter() - t0
     print(report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(json_safe(result), f, indent=2, allow_nan=False)
+        write_json(result, args.json)
         log(f"wrote {args.json}")
     return result
 

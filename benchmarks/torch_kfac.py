@@ -49,6 +49,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from precond.bench.report import write_json
 from precond.torch.kfac import KFAC
 
 EXAMPLE_PATH = Path(__file__).resolve().parents[1] / "examples" / "torch_kfac_digits.py"
@@ -392,8 +393,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["machine"]["loadavg_end"] = loadavg()
     print(report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return result
 
 

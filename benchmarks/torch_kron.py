@@ -37,7 +37,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -63,6 +62,7 @@ from torch import nn
 
 from _common import loadavg, machine_info
 from kron_update import _table, kron_matmul_flops
+from precond.bench.report import write_json
 from precond.torch import Kron
 
 LOW_PROBABILITY = 0.03
@@ -565,8 +565,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(report(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return result
 
 

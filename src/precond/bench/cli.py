@@ -21,6 +21,13 @@ from precond._common.xla_workarounds import (
     avoid_xla_cpu_deadlock,
     simulate_cpu_devices,
 )
+from precond.bench.arguments import (
+    names,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from precond.bench.machine import available_cores, configure_threads, environment
 from precond.bench.optimizers import (
     BASELINE,
@@ -63,49 +70,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ----------------------------------------------------------------- argument types
-
-
-def _number(convert: type, low: float, strict: bool = False):
-    """An argparse type: ``convert(text)``, finite and >= ``low`` (> if strict)."""
-    kind = "an integer" if convert is int else "a number"
-    bound = f"> {low}" if strict else f">= {low}"
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"{text} must be {kind} {bound}")
-        return value
-
-    return parse
-
-
-_positive_int = _number(int, 1)
-_nonnegative_int = _number(int, 0)
-_nonnegative_float = _number(float, 0)
-_positive_float = _number(float, 0, strict=True)
-
-
-def _names(registry, kind: str):
-    def parse(text: str) -> list[str]:
-        names = [name.strip() for name in text.split(",") if name.strip()]
-        if not names:
-            raise argparse.ArgumentTypeError(f"no {kind} names given")
-        for name in names:
-            if name not in registry:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {kind} {name!r}; choose from {', '.join(registry)}"
-                )
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise argparse.ArgumentTypeError(
-                f"{kind} {', '.join(map(repr, duplicates))} given more than once"
-            )
-        return names
-
-    return parse
 
 
 def _multipliers(text: str) -> list[float]:
@@ -191,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--frameworks",
-        type=_names(FRAMEWORKS, "framework"),
+        type=names(FRAMEWORKS, "framework"),
         metavar="A,B",
         help=(
             "comma-separated frameworks, of jax (optax optimizers, models in plain "
@@ -201,14 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--workloads",
-        type=_names(WORKLOADS, "workload"),
+        type=names(WORKLOADS, "workload"),
         default=list(WORKLOADS),
         metavar="A,B",
         help=f"comma-separated workloads (default: {','.join(WORKLOADS)})",
     )
     bench.add_argument(
         "--optimizers",
-        type=_names(OPTIMIZERS, "optimizer"),
+        type=names(OPTIMIZERS, "optimizer"),
         metavar="A,B",
         help=(
             "comma-separated optimizers; each runs in the selected frameworks it "
@@ -220,13 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     budget = bench.add_mutually_exclusive_group()
     budget.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="training steps per run (default: each workload's own, see --list)",
     )
     budget.add_argument(
         "--time-budget",
-        type=_positive_float,
+        type=positive_float,
         metavar="SECONDS",
         help=(
             "train each run for this many seconds instead of a step budget "
@@ -235,13 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="minibatch size (default: each workload's own, see --list)",
     )
     bench.add_argument(
         "--seeds",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help=(
@@ -251,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--seed",
-        type=_nonnegative_int,
+        type=nonnegative_int,
         default=0,
         metavar="N",
         help=(
@@ -287,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--weight-decay",
-        type=_nonnegative_float,
+        type=nonnegative_float,
         default=DEFAULT_WEIGHT_DECAY,
         metavar="X",
         help=(
@@ -307,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--devices",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help=(
@@ -317,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=available_cores(),
         metavar="N",
         help=(

@@ -322,14 +322,14 @@ def format_markdown(
     return "\n".join(out)
 
 
-def _finite_or_none(value: Any) -> Any:
-    """Replaces NaN/±Inf (not valid JSON) by None, recursively."""
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN/±Inf (not valid JSON) replaced by None, recursively."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -370,7 +370,7 @@ def json_document(
         d = asdict(row)
         d["swept"] = [{"learning_rate": k, "val_loss": v} for k, v in row.swept.items()]
         summaries.append(d)
-    return _finite_or_none(
+    return json_safe(
         {
             "schema_version": JSON_SCHEMA_VERSION,
             "config": dict(config),
@@ -384,7 +384,9 @@ def json_document(
     )
 
 
-def write_json(document: dict[str, Any], path: str) -> None:
+def write_json(document: Any, path: str) -> None:
+    """Writes ``document`` to ``path`` as strict JSON, indented: NaN/±Inf become
+    null (:func:`json_safe`), other objects JSON has no type for their ``str``."""
     with open(path, "w", encoding="utf-8") as file:
-        json.dump(document, file, indent=2, allow_nan=False)
+        json.dump(json_safe(document), file, indent=2, allow_nan=False, default=str)
         file.write("\n")

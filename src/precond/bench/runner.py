@@ -126,30 +126,6 @@ class RunResult:
         return asdict(self)
 
 
-def learning_rate_schedule(peak: float, steps: int, schedule: str):
-    """An optax schedule: ``peak`` itself, or linear warm-up + cosine decay.
-
-    "cosine": linear from 0 to ``peak`` over ``WARMUP_FRACTION·steps`` steps (none
-    when that rounds to 0), then cosine decay to 0 at ``steps``. (The bench itself
-    uses :func:`lr_multiplier`, which also serves time budgets; the benchmark
-    scripts use this.)
-    """
-    if schedule == "constant":
-        return peak
-    import optax
-
-    warmup = int(WARMUP_FRACTION * steps)
-    if warmup == 0:
-        return optax.cosine_decay_schedule(peak, decay_steps=steps, alpha=0.0)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=peak,
-        warmup_steps=warmup,
-        decay_steps=steps,
-        end_value=0.0,
-    )
-
-
 def lr_multiplier(progress: float, schedule: str) -> float:
     """The learning rate as a fraction of the peak, at ``progress`` ∈ [0, 1] of the
     budget: 1 ("constant"), or ``progress / 0.05`` during the warm-up and then
