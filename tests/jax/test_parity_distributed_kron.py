@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 import precond.jax as pj
-from precond.jax import _kron_randomness
+from precond.jax import _kron_randomness, _kron_step
 from tests import oracles
-from tests.jax.helpers import kron_module
 
 STEPS = 20
 RTOL = 1e-5
@@ -45,14 +44,14 @@ def _inject_randomness(monkeypatch, dk, lead_axes):
     # precond: the step's key carries the step count, from which the oracle's
     # draws are derived.
     monkeypatch.setattr(
-        kron_module,
-        "_fit_key",
+        _kron_step,
+        "fit_key",
         lambda seed, count: jnp.stack([jnp.zeros_like(count), count]).astype(
             jnp.uint32
         ),
     )
     monkeypatch.setattr(
-        kron_module,
+        _kron_step,
         "fit_randomness",
         lambda key: _oracle_fit_draws(key[1].astype(jnp.int32)),
     )
