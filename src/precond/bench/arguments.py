@@ -40,6 +40,24 @@ def positive_ints(text: str) -> list[int]:
     return [positive_int(item) for item in text.split(",") if item.strip()]
 
 
+def multipliers(text: str) -> list[float]:
+    """Comma-separated distinct numbers > 0, e.g. ``0.3,1,3`` (``--lr-sweep``)."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} is not a number (e.g. --lr-sweep 0.3,1,3)"
+            ) from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"multiplier {item.strip()} must be > 0")
+        values.append(value)
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError("a multiplier is given more than once")
+    return values
+
+
 def names(choices: Iterable[str], kind: str) -> Callable[[str], list[str]]:
     """An argparse type: comma-separated names, each one of ``choices``, none
     given twice."""

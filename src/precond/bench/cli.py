@@ -22,6 +22,7 @@ from precond._common.xla_workarounds import (
     simulate_cpu_devices,
 )
 from precond.bench.arguments import (
+    multipliers,
     names,
     nonnegative_float,
     nonnegative_int,
@@ -70,23 +71,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ----------------------------------------------------------------- argument types
-
-
-def _multipliers(text: str) -> list[float]:
-    values = []
-    for item in text.split(","):
-        try:
-            value = float(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{item.strip()!r} is not a number (e.g. --lr-sweep 0.3,1,3)"
-            ) from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"multiplier {item.strip()} must be > 0")
-        values.append(value)
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError("a multiplier is given more than once")
-    return values
 
 
 def _lr_override(text: str) -> tuple[str, float]:
@@ -238,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--lr-sweep",
-        type=_multipliers,
+        type=multipliers,
         nargs="?",
         const=list(DEFAULT_LR_SWEEP),
         metavar="M1,M2",
