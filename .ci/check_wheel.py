@@ -8,8 +8,8 @@ Checks that the wheel holds every file of the source package (every ``.py``
 module and ``py.typed`` if the source has one; caches and byte code aside) under
 ``precond/``, nothing outside ``precond/`` and its ``.dist-info`` (in particular no
 ``tests/``), a ``precond`` console script pointing at ``precond.bench.cli:main``,
-and the extras ``jax``, ``torch``, ``bench`` and ``dev`` in its metadata. Exits 1
-with one line per problem, 0 (and a one-line summary) when all is well.
+and the extras ``jax``, ``torch``, ``bench``, ``dev`` and ``docs`` in its metadata.
+Exits 1 with one line per problem, 0 (and a one-line summary) when all is well.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-EXTRAS = ("jax", "torch", "bench", "dev")
+EXTRAS = ("jax", "torch", "bench", "dev", "docs")
 ENTRY_POINT = re.compile(r"^precond\s*=\s*precond\.bench\.cli:main\s*$", flags=re.M)
 
 
