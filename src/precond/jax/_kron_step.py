@@ -279,11 +279,9 @@ def _fit_stack(config: KronConfig, step: _Step, index: int, inputs, draws, newto
             config, factors, lipschitz, G, V, ids, extent, damping, draws, newton
         )
 
+    unit_inputs = (tuple(factors), lipschitz, G, ids, extents, damping)
     newton_V = () if V is None else (V,)
-    fitted, lipschitz = _over_units(
-        config, fit, sharding, tuple(factors), lipschitz, G, ids, extents, damping,
-        *newton_V,
-    )  # fmt: skip
+    fitted, lipschitz = _over_units(config, fit, sharding, *unit_inputs, *newton_V)
     fitted = tuple(sharding.constrain(F, sharding.stack_spec) for F in fitted)
     if lipschitz is not None:
         lipschitz = tuple(sharding.constrain(L, sharding.stack_spec) for L in lipschitz)
