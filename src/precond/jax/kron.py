@@ -473,9 +473,14 @@ def kron_state_from_distributed_kron(
     determines the preconditioner of the real entries). Only the 'EQ' style
     (distributed-kron's) has an equivalent state.
 
-    Example:
-        >>> state = kron_state_from_distributed_kron(
-        ...     old_state, params, merge_rule="distributed_kron")  # doctest: +SKIP
+    Example (``old_state`` would come from a distributed-kron checkpoint; here it
+    is :func:`kron_state_to_distributed_kron` of a precond state):
+        >>> import jax.numpy as jnp
+        >>> params = {"w": jnp.ones((4, 3))}
+        >>> kwargs = dict(merge_rule="distributed_kron")
+        >>> ours = kron(**kwargs).init(params)
+        >>> old_state = kron_state_to_distributed_kron(ours, params, **kwargs)
+        >>> state = kron_state_from_distributed_kron(old_state, params, **kwargs)
     """
     seed_state, put_back = _split_chain_state(state)
     config = _core_config(kwargs)
