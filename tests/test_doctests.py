@@ -53,3 +53,18 @@ def test_docstring_examples(name):
         runner.run(test, out=report.append)
     assert runner.tries > 0, f"{name}: '>>>' in its source, but no example found"
     assert runner.failures == 0, "".join(report)
+
+
+def test_examples_are_skipped_only_for_devices_or_processes():
+    """``+SKIP`` is kept for examples that need several devices or processes, and
+    the lines just above such an example say so."""
+    unexplained = []
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            reason = " ".join(lines[max(0, i - 3) : i + 1]).lower()
+            if "+SKIP" in line and not ("devices" in reason or "processes" in reason):
+                unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{i + 1}")
+    assert not unexplained, "examples skipped without a reason: " + ", ".join(
+        unexplained
+    )
