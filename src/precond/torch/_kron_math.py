@@ -23,6 +23,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from precond._common.kron_constants import (  # the styles both frameworks accept
+    UPDATE_STYLES as UPDATE_STYLES,
+)
+
 # sqrt(float32 machine epsilon) = 2^-11.5: scale of the damping noise added to G.
 DAMPING_SCALE = torch.finfo(torch.float32).eps ** 0.5
 # Added to step-size denominators so an all-zero gradient never divides by zero.
@@ -205,8 +209,6 @@ def unpack_gram(packed: torch.Tensor) -> torch.Tensor:
     return strict_lower + strict_lower.mH + torch.diag_embed(packed[:, -1])
 
 
-# Generation-2 update rules (Kron's preconditioner_update_style): no triangular solves.
-UPDATE_STYLES = ("EQ", "QUAD", "PRO")
 # Smoothing β_L of the Lipschitz estimates L_i of the generation-2 rules.
 LIPSCHITZ_DECAY = 0.95
 # The Procrustes rotation step is at most this (its series is second order).

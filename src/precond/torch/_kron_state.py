@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from precond._common.factor_plan import merge_dims, plan_diagonal_axes
+from precond._common.kron_constants import GENERATION_1_STYLE, stored_cache
 from precond.torch import _kron_math as km
 
 # Keys of self.state[p].
@@ -61,7 +62,12 @@ def _merged_small_dims(
     shape: tuple[int, ...], diagonal: tuple[bool, ...], group: dict[str, Any]
 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """``merge_small_dims``: adjacent axes merged up to ``target_merged_dim_size``;
-    a merged axis is diagonal when all its axes were or it is too long."""
+    a merged axis is diagonal when all its axes were or it is too long.
+
+    The rule of :func:`precond._common.kron_plan.plan_tensor` (``merge_rule=
+    'balanced'``), which cannot be called here: it plans the diagonal axes
+    itself, and kron-torch's skew and 'smart_one_diag' rules must act on the
+    unmerged axes before the merge."""
     groups = merge_dims(shape, group["target_merged_dim_size"])
     merged = tuple(math.prod(shape[a] for a in g) for g in groups)
     merged_diagonal = tuple(
@@ -79,7 +85,13 @@ def factor_plan(
     ``max_size_triangular``, when the tensor has fewer than
     ``min_ndim_triangular`` dims, when ``memory_save_mode`` picks it, or when it
     is longer than ``max_skew_triangular`` times the second largest dim (1 for a
-    vector): kron-torch 0.1.0's skew rule."""
+    vector): kron-torch 0.1.0's skew rule.
+
+    The shared rules are precond._common.factor_plan's (``plan_diagonal_axes``,
+    and ``merge_dims`` for ``merge_small_dims``); kron-torch's rules (the
+    ``merge_dims`` argument's matrix shape, 'smart_one_diag', the skew rule)
+    exist only here, as precond.jax.kron plans as distributed-kron, which has
+    none of them. No blocking: every axis stays whole."""
     shape = tuple(shape) or (1,)
     if group["merge_dims"]:
         shape = _matrix_shape(shape)
@@ -146,11 +158,16 @@ def state_dtypes(
 
 
 def cache_layout(group: dict[str, Any]) -> str | None:
-    """The factor layout of a group: 'packed' cannot hold PRO's full Q."""
-    cache = group["preconditioner_cache"]
-    if cache == "packed" and group["preconditioner_update_style"] == "PRO":
-        return "dense"
-    return cache
+    """The factor layout of a group (:func:`precond._common.kron_constants.
+    stored_cache`: 'packed' cannot hold PRO's full Q)."""
+    return stored_cache(
+        group["preconditioner_cache"], group["preconditioner_update_style"]
+    )
+
+
+def generation_2(group: dict[str, Any]) -> bool:
+    """A generation-2 style ('QUAD', 'PRO'): Lipschitz estimates in the state."""
+    return group["preconditioner_update_style"] != GENERATION_1_STYLE
 
 
 def stored(Q: torch.Tensor, cache: str | None, dtype: torch.dtype) -> torch.Tensor:
@@ -263,7 +280,7 @@ def state_entry_problem(
     if not isinstance(entry, dict):
         return f"state is a {type(entry).__name__}, expected a dict"
     keys = {STEP, UPDATE_COUNTER, MOMENTUM, FACTORS}
-    if group["preconditioner_update_style"] != "EQ":
+    if generation_2(group):
         keys.add(LIPSCHITZ)
     missing = sorted(keys - set(entry))
     if missing:

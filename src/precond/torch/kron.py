@@ -20,13 +20,13 @@ import torch
 from torch.profiler import record_function
 
 from precond._common.factor_plan import MEMORY_SAVE_MODES
-from precond._common.schedules import check_update_prob_schedule
-from precond._common.validation import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_real,
+from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
+from precond._common.kron_constants import BALANCE_PROBABILITY, MAX_UPDATE_RMS
+from precond._common.kron_constants import (  # re-exported, as before
+    PRECONDITIONER_CACHES as PRECONDITIONER_CACHES,
 )
+from precond._common.schedules import check_update_prob_schedule
+from precond._common.validation import check_bool, check_choice, check_real
 from precond.torch import _kron_math as km
 from precond.torch._kron_state import (
     FACTORS,
@@ -39,6 +39,7 @@ from precond.torch._kron_state import (
     cost,
     factor_of,
     factor_plan,
+    generation_2,
     gram_of,
     initial_factors,
     state_dict_problem,
@@ -64,15 +65,10 @@ from precond.torch.strategies import Replicated, Strategy
 
 __all__ = ["Kron", "precond_update_prob_schedule"]
 
-# Updates are scaled down so their per-tensor RMS is at most this.
-MAX_UPDATE_RMS = 1.1
-# Probability that a preconditioner update first rebalances the factor norms.
-BALANCE_PROBABILITY = 0.01
+# MAX_UPDATE_RMS, BALANCE_PROBABILITY, the update styles and the cache layouts
+# come from precond._common.kron_constants, shared with precond.jax.kron.
 # Key of kron-torch 0.1.0's param groups holding the momenta (loaded, not kept).
 KRON_TORCH_MOMENTA = "momentum_buffer"
-# Layouts of a triangular factor's state: Q with P = QᵀQ packed into one (d + 1, d)
-# array, Q and P stacked (2, d, d), or Q alone (d, d); as precond.jax.kron.
-PRECONDITIONER_CACHES = ("packed", "dense", None)
 
 
 def precond_update_prob_schedule(
@@ -104,7 +100,8 @@ def precond_update_prob_schedule(
 _DEFAULT_SCHEDULE = precond_update_prob_schedule()
 
 
-# memory_save_mode values: precond's plan's, plus kron-torch 0.3.3's 'smart_one_diag'.
+# memory_save_mode values: precond's plan's, plus kron-torch 0.3.3's 'smart_one_diag'
+# (torch only: distributed-kron, and so precond.jax.kron, has no such mode).
 TORCH_MEMORY_SAVE_MODES = tuple(dict.fromkeys((*MEMORY_SAVE_MODES, "smart_one_diag")))
 
 
@@ -459,7 +456,7 @@ class Kron(CheckedOptimizer):
                 p, dtype=mu_dtype, memory_format=torch.preserve_format
             )
         state[FACTORS] = initial_factors(p, group)
-        if group["preconditioner_update_style"] != "EQ":
+        if generation_2(group):
             state[LIPSCHITZ] = [
                 torch.zeros((), dtype=torch.float32, device=p.device)
                 for _ in state[FACTORS]
@@ -507,7 +504,7 @@ class Kron(CheckedOptimizer):
             grads = [p.grad for _, p, _ in bucket]
             target = _stacked(grads, mu_hat.dtype, mu_hat.shape[1:])
         lipschitz = []
-        if style == "EQ":
+        if not generation_2(group):
             if group["damping"]:
                 target = km.add_damping_noise(target, noise)
             factors = self._update_factors(factors, target, noise, group["precond_lr"])
@@ -719,32 +716,39 @@ OPTIMIZER_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
     ("compile_kernels", check_bool),
 )
 
-# Every per-group argument and its check: (name, check(name, value)).
+# Every per-group argument and its check: (name, check(name, value)), in the
+# signature's order (which is the order of ``defaults``). The arguments that
+# precond.jax.kron takes under the same name and rule are checked by
+# precond._common.kron_arguments; the rest are kron-torch's own and checked here:
+# lr and weight_decay (the alias's in JAX), a probability in (0, 1] or None for
+# the default schedule (JAX: a schedule or [0, 1]), kron-torch's precond_lr and
+# precond_init_scale (distributed-kron's preconditioner_lr / _init_scale),
+# torch dtypes, memory_save_mode with kron-torch 0.3.3's 'smart_one_diag', and
+# the kron-torch rules JAX lacks (max_skew_triangular, merge_dims,
+# update_clipping, store_debiased_momentum, damping).
+_SHARED = KRON_SHARED_ARGUMENT_CHECKS
 GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
     ("lr", check_lr),
-    ("b1", lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False)),
+    ("b1", _SHARED["b1"]),
     ("weight_decay", lambda n, v: check_real(n, v, low=0.0)),
     ("preconditioner_update_probability", _check_probability),
-    ("max_size_triangular", lambda n, v: check_int(n, v, low=0)),
+    ("max_size_triangular", _SHARED["max_size_triangular"]),
     ("max_skew_triangular", _check_skew),
     ("mu_dtype", _check_dtype),
     ("precond_dtype", _check_dtype),
-    ("min_ndim_triangular", lambda n, v: check_int(n, v, low=0)),
+    ("min_ndim_triangular", _SHARED["min_ndim_triangular"]),
     ("memory_save_mode", lambda n, v: check_choice(n, v, TORCH_MEMORY_SAVE_MODES)),
-    ("momentum_into_precond_update", check_bool),
+    ("momentum_into_precond_update", _SHARED["momentum_into_precond_update"]),
     ("precond_lr", lambda n, v: check_real(n, v, low=0.0)),
     ("precond_init_scale", lambda n, v: check_real(n, v, low=0.0, low_inclusive=False)),
     ("merge_dims", check_bool),
     ("update_clipping", lambda n, v: check_choice(n, v, UPDATE_CLIPPINGS)),
     ("store_debiased_momentum", check_bool),
     ("damping", check_bool),
-    ("merge_small_dims", check_bool),
-    ("target_merged_dim_size", lambda n, v: check_int(n, v, low=1)),
-    (
-        "preconditioner_update_style",
-        lambda n, v: check_choice(n, v, km.UPDATE_STYLES),
-    ),
-    ("preconditioner_cache", lambda n, v: check_choice(n, v, PRECONDITIONER_CACHES)),
+    ("merge_small_dims", _SHARED["merge_small_dims"]),
+    ("target_merged_dim_size", _SHARED["target_merged_dim_size"]),
+    ("preconditioner_update_style", _SHARED["preconditioner_update_style"]),
+    ("preconditioner_cache", _SHARED["preconditioner_cache"]),
 )
 
 
