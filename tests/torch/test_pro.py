@@ -7,7 +7,8 @@
     returns fixed arrays, a function of the requested shape).
 (2) Per kind of parameter: it trains faster than AdamW at the same step scale,
     a resumed run is the uninterrupted one bit for bit, a NaN gradient changes
-    nothing; bad arguments raise the standard message.
+    nothing; bad arguments raise the standard message. (Copies, tensor lr,
+    schedulers and param groups: tests/torch/test_optimizer_conventions.py.)
 (3) The stacks it fits are ``precond.jax.pro``'s (the planner is shared,
     ``precond._common.pro_layout``): checked once, on what Pro actually fits.
 
@@ -17,7 +18,6 @@ vmapped matmuls, summation order), hence tolerances of 1e-5 relative.
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 import re
@@ -456,58 +456,6 @@ def test_bad_arguments_raise_the_standard_message(name, value, error, rule):
         with pytest.raises(error, match=prefix) as caught:
             call()
         assert rule in str(caught.value)
-
-
-# ------------------------------------------------------------------ groups, lr
-
-
-def test_a_deep_copy_steps_like_the_original():
-    """copy.deepcopy (the seed included) of an optimizer with a non-default
-    seed, midway: both continue with the same steps."""
-    grads = _gradients((6, 5), 4)
-    p = torch.nn.Parameter(torch.ones(6, 5))
-    optimizer = Pro([p], lr=0.1, seed=7)
-    _run(optimizer, [p], [(g,) for g in grads[:2]])
-    q, twin = copy.deepcopy((p, optimizer))  # twin's parameter is q
-    _run(optimizer, [p], [(g,) for g in grads[2:]])
-    _run(twin, [q], [(g,) for g in grads[2:]])
-    assert twin.seed == 7
-    assert torch.equal(p, q)
-
-
-def test_lr_tensor_scheduler_and_param_groups():
-    """A tensor lr steps as the same float; LambdaLR's rates give the steps of
-    the same rates set by hand; a group with lr 0 and no decay stays put beside
-    one that moves."""
-    grads = _gradients((6, 5), 4)
-
-    def run(lr, schedule=None):
-        p = torch.nn.Parameter(torch.ones(6, 5))
-        q = torch.nn.Parameter(torch.ones(4))
-        optimizer = Pro(
-            [{"params": [p]}, {"params": [q], "lr": 0.0, "weight_decay": 0.0}], lr=lr
-        )
-        scheduler = None
-        if callable(schedule):
-            scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, [schedule, lambda step: 1.0]
-            )
-        for t, g in enumerate(grads):
-            p.grad, q.grad = g.clone(), torch.ones(4)
-            if schedule == "by hand":
-                optimizer.param_groups[0]["lr"] = 0.1 * 0.5**t
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-        assert torch.equal(q, torch.ones(4))
-        return p.detach().clone()
-
-    constant = run(0.1)
-    assert not torch.equal(constant, torch.ones(6, 5))
-    assert torch.equal(constant, run(torch.tensor(0.1)))
-    halved = run(0.1, lambda step: 0.5**step)
-    assert not torch.equal(halved, constant)
-    assert torch.equal(halved, run(0.1, "by hand"))
 
 
 # ------------------------------------------------------------------ (3) layout
