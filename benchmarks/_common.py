@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,3 +55,12 @@ def median_time(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def progress_log(t0: float) -> Callable[[str], None]:
+    """``log(msg)``: prints msg on stderr after the seconds since ``t0``."""
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
+
+    return log

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -42,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import loadavg, machine_info, median_time
+from _common import loadavg, machine_info, median_time, progress_log
 from precond._common.factor_plan import plan_diagonal_axes
 from precond.bench.report import write_json
 from precond.jax import _kron_math as km
@@ -499,8 +498,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     info = machine_info()
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
+    log = progress_log(t0)
 
     shapes_tree = transformer_shapes(args.layers)
     shapes = jax.tree.leaves(shapes_tree, is_leaf=_is_shape)

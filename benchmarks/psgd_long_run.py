@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import loadavg, machine_info
+from _common import loadavg, machine_info, progress_log
 from precond.bench.arguments import names
 from precond.bench.report import write_json
 from precond.jax import hessian_helper
@@ -376,8 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     info = machine_info()
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
+    log = progress_log(t0)
 
     window = int(args.steps * WINDOW_FRACTION)
     cfg = {

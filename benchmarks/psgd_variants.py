@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import loadavg, machine_info
+from _common import loadavg, machine_info, progress_log
 from precond.bench.arguments import learning_rate_grid, names, positive_int
 from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY
 from precond.bench.report import write_json
@@ -602,8 +602,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     info = machine_info()
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
+    log = progress_log(t0)
 
     cfg = {
         "variants": args.variants,

@@ -44,7 +44,6 @@ import argparse
 import functools
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import loadavg, machine_info, median_time
+from _common import loadavg, machine_info, median_time, progress_log
 from kron_update import (
     _is_shape,
     _table,
@@ -596,8 +595,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     info = machine_info()
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
+    log = progress_log(t0)
 
     d = args.d_model
     shapes_tree = transformer_shapes(args.layers, d_model=d, d_mlp=4 * d)

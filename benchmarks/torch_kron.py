@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -60,7 +59,7 @@ avoid_xla_cpu_deadlock()  # _common and kron_update import jax: see README
 import torch
 from torch import nn
 
-from _common import loadavg, machine_info
+from _common import loadavg, machine_info, progress_log
 from kron_update import _table, kron_matmul_flops
 from precond.bench.report import write_json
 from precond.torch import Kron
@@ -508,8 +507,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     info = machine_info() | {"torch": torch.__version__}
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
+    log = progress_log(t0)
 
     torch.manual_seed(0)
     model = transformer(args.layers, args.d_model, args.d_mlp, args.vocab).to(device)
