@@ -5,9 +5,13 @@
 from __future__ import annotations
 
 # Updates are scaled down so that their per-tensor RMS is at most this:
-# U ← U / max(1, RMS(U) / MAX_UPDATE_RMS).
+# U ← U / max(1, RMS(U) / MAX_UPDATE_RMS). PSGD 'pro' clips its update by the
+# same rule (precond._common.pro_layout).
 MAX_UPDATE_RMS = 1.1
 # Probability that a preconditioner update first rebalances the factors' norms.
+# PSGD's one rule for factors whose product is invariant to rescaling them:
+# affine's two Kronecker factors and LRA's ‖U‖, ‖V‖ are rebalanced by it too
+# (pro instead rebalances every pro_layout.BALANCE_EVERY steps).
 BALANCE_PROBABILITY = 0.01
 
 # The factor-update rules (``preconditioner_update_style``): generation 1 ('EQ',

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 BALANCE_EVERY = 100  # steps between rebalancing a block's two factors
-CLIP_RMS = 1.1  # each tensor's update is clipped to this RMS
+# Each tensor's update is clipped to RMS kron_constants.MAX_UPDATE_RMS, Kron's rule.
 ADAM_STYLE_DIVISOR = 5.0  # lr_style='adam': U/5 has the scale of Adam's update
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precond._common.kron_constants import BALANCE_PROBABILITY
 from precond._common.validation import check_bool, check_int
 from precond.jax import _kron_math as km
 from precond.jax._guards import is_params_placeholder
@@ -40,8 +41,8 @@ from precond.jax._psgd_transform import (
     with_auto_axes,
 )
 
-# Each fit rebalances the two factors of every parameter with this probability.
-BALANCE_PROBABILITY = 0.01
+# Each fit rebalances the two factors of every parameter with probability
+# BALANCE_PROBABILITY, Kron's rule (precond._common.kron_constants).
 # Integer arguments that fix shapes: with optax.inject_hyperparams, list them in
 # static_args.
 AFFINE_STATIC_ARGS = ("max_size_triangular", "max_skew_triangular")

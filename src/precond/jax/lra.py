@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from precond._common.kron_constants import BALANCE_PROBABILITY
 from precond._common.validation import check_choice, check_int
 from precond.jax._kron_math import conj, conj_transpose, squared_magnitude
 from precond.jax._psgd_transform import (
@@ -37,7 +38,8 @@ LRA_ARGUMENT_CHECKS = {
     "uvd_rank_of_approximation": functools.partial(check_int, low=1),
     "balance_method": functools.partial(check_choice, choices=LRA_BALANCE_METHODS),
 }
-BALANCE_PROBABILITY = 0.01  # chance per fit of rebalancing ‖U‖ and ‖V‖
+# Each fit rebalances ‖U‖ and ‖V‖ with probability BALANCE_PROBABILITY: PSGD's
+# rule for scale-redundant factors, Kron's (precond._common.kron_constants).
 UPDATE_U_PROBABILITY = 0.5  # chance per fit of stepping U (else V)
 
 

@@ -40,10 +40,11 @@ from jax.sharding import PartitionSpec
 
 # The layout (merged shapes, blocks, stacks) and the recipe's constants are
 # shared with precond.torch.Pro.
+from precond._common.kron_constants import MAX_UPDATE_RMS
+from precond._common.pro_arguments import PRO_SHARED_ARGUMENT_CHECKS
 from precond._common.pro_layout import (  # noqa: F401  (re-exported)
     ADAM_STYLE_DIVISOR,
     BALANCE_EVERY,
-    CLIP_RMS,
     _Plan,
     _plan,
     _Region,
@@ -52,10 +53,8 @@ from precond._common.pro_layout import (  # noqa: F401  (re-exported)
     merged_shape,
 )
 from precond._common.validation import (
-    check_bool,
     check_choice,
     check_int,
-    check_real,
     is_concrete_number,
 )
 from precond.jax import _kron_math as km
@@ -186,10 +185,6 @@ def _fit_unit(factors, lipschitz, G, key, *, style, lr, noise_scale, draw_shape)
 # ------------------------------------------------------------------ arguments
 
 
-def _check_lr_style(name: str, value) -> None:
-    check_choice(name, value, ("adam", None))
-
-
 def _check_dtype(name: str, value) -> None:
     try:
         dtype = jnp.dtype(value)
@@ -230,28 +225,29 @@ def _check_partition_specs(name: str, value) -> None:
 
 
 # Every argument of scale_by_pro (and pro's own, from the alias table), with the
-# check run at construction: Invalid <name>=<value!r>: must be <rule>.
+# check run at construction: Invalid <name>=<value!r>: must be <rule>, in
+# signature order. The arguments precond.torch.Pro takes under the same name and
+# rule are checked by precond._common.pro_arguments; the rest are JAX's own and
+# checked here: dtype (a jnp dtype), scanned_layers, the pipeline axis, the
+# params' partition specs and draws.
+_SHARED = PRO_SHARED_ARGUMENT_CHECKS
 PRO_ARGUMENT_CHECKS = {
-    "lr_style": _check_lr_style,
-    "b1": lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False),
-    "normalize_grads": check_bool,
-    "max_size_dense": lambda n, v: check_int(n, v, low=0),
-    "preconditioner_lr": lambda n, v: check_real(n, v, low=0.0),
-    "preconditioner_init_scale": lambda n, v: check_real(
-        n, v, low=0.0, low_inclusive=False
-    ),
-    "preconditioner_update_style": lambda n, v: check_choice(n, v, ("PRO", "QUAD")),
+    "lr_style": _SHARED["lr_style"],
+    "b1": _SHARED["b1"],
+    "normalize_grads": _SHARED["normalize_grads"],
+    "max_size_dense": _SHARED["max_size_dense"],
+    "preconditioner_lr": _SHARED["preconditioner_lr"],
+    "preconditioner_init_scale": _SHARED["preconditioner_init_scale"],
+    "preconditioner_update_style": _SHARED["preconditioner_update_style"],
     "dtype": _check_dtype,
     "scanned_layers": _check_scanned_layers,
-    "block_size": lambda n, v: check_int(n, v, low=1),
+    "block_size": _SHARED["block_size"],
     "pipeline_axis_name": _check_optional_axis,
     "pipeline_axis_size": lambda n, v: check_int(n, v, low=1),
     "params_partition_specs": _check_partition_specs,
-    "noise_scale": lambda n, v: check_real(n, v, low=0.0),
+    "noise_scale": _SHARED["noise_scale"],
     "draws": lambda n, v: check_choice(n, v, DRAWS),
-    "preconditioner_update_probability": lambda n, v: check_real(
-        n, v, low=0.0, high=1.0, low_inclusive=False, allow_schedule=True
-    ),
+    "preconditioner_update_probability": _SHARED["preconditioner_update_probability"],
 }
 # Arguments that fix shapes or code paths: static under optax.inject_hyperparams.
 PRO_STATIC_ARGS = (
@@ -487,7 +483,7 @@ def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, recipe):
 
 
 def _clipped_updates(grads, plan: _Plan, pieces, recipe: _Recipe) -> list:
-    """Each leaf's P·m̂ assembled from its pieces, its RMS clipped to CLIP_RMS,
+    """Each leaf's P·m̂ assembled from its pieces, its RMS clipped to MAX_UPDATE_RMS,
     divided by ADAM_STYLE_DIVISOR with lr_style='adam' (zeros for a leaf with
     no entries)."""
     out = []
@@ -497,7 +493,7 @@ def _clipped_updates(grads, plan: _Plan, pieces, recipe: _Recipe) -> list:
             continue
         u = _assemble(pieces[i], merged, plan.batch[i]).reshape(g.shape)
         rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
-        u = u * (CLIP_RMS / jnp.maximum(rms, CLIP_RMS)).astype(u.dtype)
+        u = u * (MAX_UPDATE_RMS / jnp.maximum(rms, MAX_UPDATE_RMS)).astype(u.dtype)
         if recipe.lr_style == "adam":
             u = u / jnp.asarray(ADAM_STYLE_DIVISOR, u.dtype)
         out.append(u)

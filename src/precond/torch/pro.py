@@ -23,14 +23,15 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from precond._common.kron_constants import MAX_UPDATE_RMS
+from precond._common.pro_arguments import PRO_SHARED_ARGUMENT_CHECKS
 from precond._common.pro_layout import (
     ADAM_STYLE_DIVISOR,
     BALANCE_EVERY,
-    CLIP_RMS,
     _plan,
     _Region,
 )
-from precond._common.validation import check_bool, check_choice, check_int, check_real
+from precond._common.validation import check_int, check_real
 from precond.torch import _kron_math as km
 from precond.torch import _optimizer as shared
 
@@ -453,7 +454,7 @@ def _apply_updates(bucket: list, updates: list[torch.Tensor]) -> None:
     lr, decay = shared.scalar(group["lr"]), group["weight_decay"]
     for (_, p, _), u in zip(bucket, updates, strict=True):
         rms = u.float().square().mean().sqrt()
-        u = u * (CLIP_RMS / torch.clamp(rms, min=CLIP_RMS)).to(u.dtype)
+        u = u * (MAX_UPDATE_RMS / torch.clamp(rms, min=MAX_UPDATE_RMS)).to(u.dtype)
         if group["lr_style"] == "adam":
             u = u / ADAM_STYLE_DIVISOR
         u = u.reshape(p.shape).to(p.dtype)
@@ -471,32 +472,26 @@ def _check_seed(name: str, value: Any) -> None:
     check_int(name, value)
 
 
-# Every per-group argument and its check (Invalid <name>=<value!r>: must be ...).
+# Every per-group argument and its check (Invalid <name>=<value!r>: must be ...),
+# in the signature's order. The arguments precond.jax.pro takes under the same
+# name and rule are checked by precond._common.pro_arguments; the rest are
+# torch's own and checked here: lr and weight_decay (the alias's in JAX) and the
+# dtype (a torch dtype).
+_SHARED = PRO_SHARED_ARGUMENT_CHECKS
 GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
     ("lr", shared.check_lr),
-    ("lr_style", lambda n, v: check_choice(n, v, ("adam", None))),
-    ("b1", lambda n, v: check_real(n, v, low=0.0, high=1.0, high_inclusive=False)),
+    ("lr_style", _SHARED["lr_style"]),
+    ("b1", _SHARED["b1"]),
     ("weight_decay", lambda n, v: check_real(n, v, low=0.0)),
-    ("normalize_grads", check_bool),
-    ("max_size_dense", lambda n, v: check_int(n, v, low=0)),
-    ("preconditioner_lr", lambda n, v: check_real(n, v, low=0.0)),
-    (
-        "preconditioner_init_scale",
-        lambda n, v: check_real(n, v, low=0.0, low_inclusive=False),
-    ),
-    (
-        "preconditioner_update_style",
-        lambda n, v: check_choice(n, v, ("PRO", "QUAD")),
-    ),
+    ("normalize_grads", _SHARED["normalize_grads"]),
+    ("max_size_dense", _SHARED["max_size_dense"]),
+    ("preconditioner_lr", _SHARED["preconditioner_lr"]),
+    ("preconditioner_init_scale", _SHARED["preconditioner_init_scale"]),
+    ("preconditioner_update_style", _SHARED["preconditioner_update_style"]),
     ("dtype", _check_dtype),
-    ("block_size", lambda n, v: check_int(n, v, low=1)),
-    ("noise_scale", lambda n, v: check_real(n, v, low=0.0)),
-    (
-        "preconditioner_update_probability",
-        lambda n, v: check_real(
-            n, v, low=0.0, high=1.0, low_inclusive=False, allow_schedule=True
-        ),
-    ),
+    ("block_size", _SHARED["block_size"]),
+    ("noise_scale", _SHARED["noise_scale"]),
+    ("preconditioner_update_probability", _SHARED["preconditioner_update_probability"]),
 )
 # The optimizer-wide arguments and their checks.
 OPTIMIZER_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
