@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from precond._common.factor_plan import plan_diagonal_axes
 from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
 from precond._common.kron_constants import (
     PRECONDITIONER_CACHES,
@@ -22,6 +23,7 @@ from precond._common.kron_constants import (
 from precond._common.kron_plan import (
     PADDING_UNIT,
     TensorPlan,
+    merge_planned_axes,
     plan_stacks,
     plan_tensor,
     seed_factor_sizes,
@@ -45,7 +47,8 @@ def plan(shape, *, scanned=False, block_size=None, **options):
 
 def test_importing_the_planning_layer_imports_no_framework():
     code = (
-        "import sys, precond._common.kron_plan, precond._common.kron_arguments; "
+        "import sys, precond._common.kron_plan, precond._common.kron_arguments, "
+        "precond._common.pro_arguments, precond._common.pro_layout; "
         "assert not {'jax', 'torch'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -72,6 +75,65 @@ def test_a_merged_axis_longer_than_max_size_triangular_is_diagonal():
     merged = plan((10, 20, 30), max_size_triangular=100, target_merged_dim_size=600)
     assert merged.shape == (200, 30)  # every source axis <= 100, the merge is not
     assert merged.diagonal == (True, False)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    max_size_triangular=st.integers(0, 400),
+    target=st.integers(1, 2000),
+    memory_save_mode=st.sampled_from([None, "one_diag", "all_diag"]),
+    merge_rule=st.sampled_from(["balanced", "distributed_kron"]),
+)
+def test_plan_tensor_merges_by_merge_planned_axes_on_its_own_diagonal_axes(
+    shape, max_size_triangular, target, memory_save_mode, merge_rule
+):
+    """plan_tensor = plan_diagonal_axes on the unmerged axes, then
+    merge_planned_axes (the function torch Kron calls after its own rules)."""
+    shape = tuple(shape)
+    options = dict(
+        max_size_triangular=max_size_triangular,
+        min_ndim_triangular=2,
+        memory_save_mode=memory_save_mode,
+    )
+    planned = plan(
+        shape, target_merged_dim_size=target, merge_rule=merge_rule, **options
+    )
+    diagonal = plan_diagonal_axes(shape, **options)
+    merged = merge_planned_axes(
+        shape,
+        diagonal,
+        target_merged_dim_size=target,
+        max_size_triangular=max_size_triangular,
+        merge_rule=merge_rule,
+    )
+    assert (planned.shape, planned.diagonal) == merged
+    assert math.prod(merged[0]) == math.prod(shape)
+
+
+def test_merge_planned_axes_keeps_a_diagonal_decided_before_the_merge():
+    """A merged axis is diagonal iff all its sources are (whatever rule made them
+    diagonal) or, with the balanced rule only, it is longer than
+    max_size_triangular."""
+    options = dict(target_merged_dim_size=600, max_size_triangular=1000)
+    assert merge_planned_axes((10, 20, 30), (True, True, False), **options) == (
+        (200, 30),
+        (True, False),
+    )
+    assert merge_planned_axes((10, 20, 30), (True, False, True), **options) == (
+        (200, 30),
+        (False, True),
+    )
+    long = dict(target_merged_dim_size=600, max_size_triangular=100)
+    assert merge_planned_axes((10, 20, 30), (False,) * 3, **long) == (
+        (200, 30),
+        (True, False),
+    )
+    # distributed-kron's rule never makes a merged axis diagonal for its length.
+    by_loss = merge_planned_axes(
+        (128, 10), (False, False), merge_rule="distributed_kron", **long
+    )
+    assert by_loss == ((1280,), (False,))
 
 
 def test_blocks_cut_triangular_axes_and_keep_diagonal_axes_whole():

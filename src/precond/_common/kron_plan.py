@@ -75,6 +75,43 @@ class StackPlan(NamedTuple):
         return int(np.sum(self.unit_ids[:, 0] != PADDING_UNIT))
 
 
+def merge_planned_axes(
+    shape: tuple[int, ...],
+    diagonal: tuple[bool, ...],
+    *,
+    target_merged_dim_size: int,
+    max_size_triangular: int,
+    merge_rule: str = "balanced",
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """``merge_small_dims``: (merged shape, diagonal per merged axis) of a layer
+    whose factor structure ``diagonal`` was decided on its unmerged ``shape``.
+
+    Adjacent axes are grouped by ``merge_rule``: 'balanced' (:func:`merge_dims`,
+    up to ``target_merged_dim_size``) or 'distributed_kron'
+    (:func:`merge_dims_by_loss`). A merged axis is diagonal iff all its source
+    axes are, or (``merge_rule='balanced'``) if it exceeds
+    ``max_size_triangular``. Used by :func:`plan_tensor` and by
+    ``precond.torch.Kron``, whose kron-torch rules (skew, 'smart_one_diag')
+    decide the diagonal axes before the merge.
+
+    Example:
+        >>> merge_planned_axes(
+        ...     (10, 20, 30), (False, False, False),
+        ...     target_merged_dim_size=600, max_size_triangular=100,
+        ... )
+        ((200, 30), (True, False))
+    """
+    balanced = merge_rule == "balanced"
+    rule = merge_dims if balanced else merge_dims_by_loss
+    groups = rule(shape, target_merged_dim_size)
+    merged = tuple(math.prod(shape[a] for a in g) for g in groups)
+    merged_diagonal = tuple(
+        all(diagonal[a] for a in g) or (balanced and size > max_size_triangular)
+        for g, size in zip(groups, merged, strict=True)
+    )
+    return merged, merged_diagonal
+
+
 def plan_tensor(
     shape: tuple[int, ...],
     *,
@@ -117,15 +154,13 @@ def plan_tensor(
         memory_save_mode=memory_save_mode,
     )
     if merge_small_dims:
-        balanced = merge_rule == "balanced"
-        rule = merge_dims if balanced else merge_dims_by_loss
-        groups = rule(layer_shape, target_merged_dim_size)
-        merged = tuple(math.prod(layer_shape[a] for a in g) for g in groups)
-        diagonal = tuple(
-            all(diagonal[a] for a in g) or (balanced and size > max_size_triangular)
-            for g, size in zip(groups, merged, strict=True)
+        layer_shape, diagonal = merge_planned_axes(
+            layer_shape,
+            diagonal,
+            target_merged_dim_size=target_merged_dim_size,
+            max_size_triangular=max_size_triangular,
+            merge_rule=merge_rule,
         )
-        layer_shape = merged
     # Diagonal axes stay whole (as distributed-kron's): cheap, and a diagonal
     # factor's step normaliser then spans the whole axis.
     fitted = block_size is not None and block_padding == "distributed_kron"

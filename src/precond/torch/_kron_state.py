@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from precond._common.factor_plan import merge_dims, plan_diagonal_axes
+from precond._common.factor_plan import plan_diagonal_axes
 from precond._common.kron_constants import GENERATION_1_STYLE, stored_cache
+from precond._common.kron_plan import merge_planned_axes
 from precond.torch import _kron_math as km
 
 # Keys of self.state[p].
@@ -58,25 +59,6 @@ def _skew_rule(
     )
 
 
-def _merged_small_dims(
-    shape: tuple[int, ...], diagonal: tuple[bool, ...], group: dict[str, Any]
-) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """``merge_small_dims``: adjacent axes merged up to ``target_merged_dim_size``;
-    a merged axis is diagonal when all its axes were or it is too long.
-
-    The rule of :func:`precond._common.kron_plan.plan_tensor` (``merge_rule=
-    'balanced'``), which cannot be called here: it plans the diagonal axes
-    itself, and kron-torch's skew and 'smart_one_diag' rules must act on the
-    unmerged axes before the merge."""
-    groups = merge_dims(shape, group["target_merged_dim_size"])
-    merged = tuple(math.prod(shape[a] for a in g) for g in groups)
-    merged_diagonal = tuple(
-        all(diagonal[a] for a in g) or size > group["max_size_triangular"]
-        for g, size in zip(groups, merged, strict=True)
-    )
-    return merged, merged_diagonal
-
-
 def factor_plan(
     shape: tuple[int, ...], group: dict[str, Any]
 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
@@ -87,8 +69,9 @@ def factor_plan(
     is longer than ``max_skew_triangular`` times the second largest dim (1 for a
     vector): kron-torch 0.1.0's skew rule.
 
-    The shared rules are precond._common.factor_plan's (``plan_diagonal_axes``,
-    and ``merge_dims`` for ``merge_small_dims``); kron-torch's rules (the
+    The shared rules are precond._common's (``factor_plan.plan_diagonal_axes``,
+    and ``kron_plan.merge_planned_axes`` for ``merge_small_dims``, after
+    kron-torch's rules have decided the diagonal axes); kron-torch's rules (the
     ``merge_dims`` argument's matrix shape, 'smart_one_diag', the skew rule)
     exist only here, as precond.jax.kron plans as distributed-kron, which has
     none of them. No blocking: every axis stays whole."""
@@ -106,7 +89,12 @@ def factor_plan(
         diagonal = _smart_one_diag(shape, diagonal)
     diagonal = _skew_rule(shape, diagonal, group["max_skew_triangular"])
     if group["merge_small_dims"]:
-        shape, diagonal = _merged_small_dims(shape, diagonal, group)
+        shape, diagonal = merge_planned_axes(
+            shape,
+            diagonal,
+            target_merged_dim_size=group["target_merged_dim_size"],
+            max_size_triangular=group["max_size_triangular"],
+        )
     return shape, diagonal
 
 
