@@ -19,8 +19,12 @@ Optimizers (``--optimizers``):
 - ``pro``: ``precond.jax.pro`` with its defaults (``lr_style='adam'``: AdamW's
   rate), from the bench too;
 - ``pro-compact``: the same with ``draws='compact'`` (draws sized to the blocks);
-- ``pro-p0.5``: ``pro`` fitting its factors every other step
-  (``preconditioner_update_probability=0.5``);
+- ``pro-p<p>`` (e.g. ``pro-p0.5``): ``pro`` fitting its factors with
+  probability p at each step (``preconditioner_update_probability=p``);
+- ``pro-s<flat>-<decay>-<min>`` (e.g. ``pro-s200-0.005-0.1``): ``pro`` with the
+  update-probability schedule ``precond_update_prob_schedule(min_prob=min,
+  decay=decay, flat_start=flat)``: every step for ``flat`` steps, then
+  exp(−decay·(n − flat)), never below ``min``;
 - ``dk2-pro``: distributed-kron 2.0.0's ``pro`` (the test oracle, loaded from
   ``.oracles/`` as tests/oracles.py does; see the README's test command), at
   ``pro``'s rate, given the params as a flat dict (it fails on the model's lists).
@@ -43,20 +47,47 @@ import pathlib
 import sys
 import time
 
+from precond.bench import arguments
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _rate(text: str) -> tuple[str, float]:
+    """``NAME=RATE``: the bench rate of optimizer NAME replaced by RATE."""
+    name, sep, value = text.partition("=")
+    try:
+        rate = arguments.positive_float(value)
+    except argparse.ArgumentTypeError:
+        rate = None
+    if not sep or not name or rate is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not of the form NAME=RATE > 0")
+    return name, rate
 
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", default="300,2000")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--lr-multipliers", default="0.3,1,3")
+    parser.add_argument("--steps", type=arguments.positive_ints, default="300,2000")
+    parser.add_argument("--seeds", type=arguments.positive_int, default=3)
+    parser.add_argument(
+        "--lr-multipliers", type=arguments.multipliers, default="0.3,1,3"
+    )
+    parser.add_argument(
+        "--lr",
+        type=_rate,
+        action="append",
+        default=[],
+        metavar="NAME=RATE",
+        help="an optimizer's rate before the multipliers (default: its bench rate)",
+    )
     parser.add_argument(
         "--optimizers", default="adamw,muon,kron,pro,pro-compact,pro-p0.5,dk2-pro"
     )
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=arguments.positive_int, default=16)
     parser.add_argument(
-        "--threads", type=int, default=None, help="default: the bench's (every core)"
+        "--threads",
+        type=arguments.positive_int,
+        default=None,
+        help="default: the bench's (every core)",
     )
     parser.add_argument("--out", default="psgd-quality")
     parser.add_argument("--no-progress", action="store_true")
@@ -115,18 +146,41 @@ def _specs(names):
             make_torch=None,
         )
 
+    def scheduled(name):
+        """``pro-p<p>``: a constant update probability p; ``pro-s<flat>-<decay>-<min>``:
+        p = 1 for ``flat`` steps, then exp(−decay·(n − flat)) down to ``min``."""
+        if name.startswith("pro-p"):
+            prob = float(name[len("pro-p") :])
+            return variant(
+                name,
+                f"precond.jax.pro fitting with probability {prob}",
+                preconditioner_update_probability=prob,
+            )
+        flat, decay, floor = (float(x) for x in name[len("pro-s") :].split("-"))
+        return variant(
+            name,
+            f"precond.jax.pro fitting every step for {flat:g} steps, then with "
+            f"probability exp(-{decay:g}(n - {flat:g})) down to {floor:g}",
+            preconditioner_update_probability=pj.precond_update_prob_schedule(
+                min_prob=floor, decay=decay, flat_start=flat
+            ),
+        )
+
     extra = {
         "pro-compact": lambda: variant(
             "pro-compact", "precond.jax.pro, draws='compact'", draws="compact"
         ),
-        "pro-p0.5": lambda: variant(
-            "pro-p0.5",
-            "precond.jax.pro fitting every other step",
-            preconditioner_update_probability=0.5,
-        ),
         "dk2-pro": distributed_kron_pro,
     }
-    return [extra[n]() if n in extra else OPTIMIZERS[n] for n in names]
+
+    def spec(name):
+        if name in extra:
+            return extra[name]()
+        if name.startswith(("pro-p", "pro-s")):
+            return scheduled(name)
+        return OPTIMIZERS[name]
+
+    return [spec(n) for n in names]
 
 
 def main(argv=None) -> int:
@@ -140,17 +194,17 @@ def main(argv=None) -> int:
 
     workload = get_workload("char-lm")
     specs = _specs(args.optimizers.split(","))
-    multipliers = [float(m) for m in args.lr_multipliers.split(",")]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sections = []
-    for steps in (int(s) for s in args.steps.split(",")):
+    for steps in args.steps:
         jobs = suite.plan(
             ["jax"],
             [workload],
             specs,
             seeds=range(args.seeds),
-            lr_multipliers=multipliers,
+            lr_multipliers=args.lr_multipliers,
+            lr_overrides=dict(args.lr),
             steps=steps,
             batch_size=args.batch_size,
         )
@@ -159,15 +213,17 @@ def main(argv=None) -> int:
         rows = analysis.summarize(outcome.results)
         table = report.format_table(rows)
         fastest = report.format_fastest(rows)
+        rates = ",".join(f"{m:g}" for m in args.lr_multipliers)
         section = (
             f"## {steps} steps, batch {args.batch_size}, {args.seeds} seeds, "
-            f"rates x {args.lr_multipliers} ({time.time() - start:.0f} s)\n\n"
+            f"rates x {rates} ({time.time() - start:.0f} s)\n\n"
             f"```\n{table}\n{fastest}\n```\n"
         )
         sections.append(section)
         print(section, flush=True)
-        with open(out / f"results-{steps}.json", "w") as file:
-            json.dump([r.to_dict() for r in outcome.results], file)
+        report.write_json(
+            [r.to_dict() for r in outcome.results], str(out / f"results-{steps}.json")
+        )
         if outcome.interrupted:
             break
     command = " ".join(["python benchmarks/psgd_quality.py", *(argv or sys.argv[1:])])
