@@ -165,6 +165,42 @@ def test_readme_shampoo_example_trains():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def test_readme_scale_by_shampoo_example_trains_and_is_the_alias_without_its_rate():
+    namespace: dict = {}
+    exec(_python_block("pj.scale_by_shampoo(")[0], namespace)
+    jax, optax, pj = __import__("jax"), namespace["optax"], namespace["pj"]
+    jnp = namespace["jnp"]
+    x = jnp.linspace(-1, 1, 32 * 64).reshape(32, 64)
+    y = jnp.tanh(x[:, :10] + x[:, 10:20])
+
+    def loss(p):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    def run(optimizer, params, state, steps):
+        losses = []
+        for _ in range(steps):
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, state = optimizer.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            losses.append(float(value))
+        return params, losses
+
+    optimizer, params = namespace["optimizer"], namespace["params"]
+    _, losses = run(optimizer, params, namespace["state"], 40)
+    assert losses[-1] < 0.5 * losses[1], losses
+    # Without the clip, the chain is distributed_shampoo at the same schedule.
+    arguments = dict(block_size=128, preconditioning_compute_steps=10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 5, 100)
+    chained = optax.chain(
+        pj.scale_by_shampoo(**arguments), optax.scale_by_learning_rate(schedule)
+    )
+    alias = pj.distributed_shampoo(schedule, **arguments)
+    got, _ = run(chained, params, chained.init(params), 12)
+    want, _ = run(alias, params, alias.init(params), 12)
+    for name in params:
+        assert jnp.array_equal(got[name], want[name]), name
+
+
 def test_readme_torch_example_trains(capsys):
     import torch
 
