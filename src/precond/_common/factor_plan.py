@@ -102,6 +102,8 @@ def merge_dims(
         key = (oversized, len(dims), -min(dims), sum(d * d for d in dims))
         if best_key is None or key < best_key:
             best_key, best_groups = key, tuple(groups)
+    # The cut after every axis always qualifies, so some cut was chosen.
+    assert best_groups is not None
     return best_groups
 
 
@@ -193,4 +195,6 @@ def merge_dims_by_loss(
             total += loss(_product(shape[a] for a in group))
         if total < best_loss:
             best_loss, best_groups = total, tuple(groups)
+    # Positive dims give a finite loss, so the first cut already beats inf.
+    assert best_groups is not None
     return best_groups

@@ -99,6 +99,7 @@ class ShardedPreconditioning(Strategy):
         offset = 0
         for u, owner in zip(updates, owners, strict=True):
             if owner == self.rank:
+                assert u is not None  # this rank computed the updates it owns
                 flat = _as_real(u).reshape(-1)
                 local[offset : offset + flat.numel()] = flat
                 offset += flat.numel()

@@ -9,7 +9,7 @@ import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -56,7 +56,10 @@ def _takes_step(function: Callable) -> bool:
     return False
 
 
-def _enum_member(name: str, value: Any, enum_type: type[enum.Enum]) -> enum.Enum:
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _enum_member(name: str, value: Any, enum_type: type[_E]) -> _E:
     if isinstance(value, enum_type):
         return value
     if isinstance(value, str) and value.upper() in enum_type.__members__:

@@ -7,12 +7,17 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from precond._common.validation import check_int
 from precond.torch.kfac.arguments import _ARGUMENT_CHECKS
+
+if TYPE_CHECKING:
+    from precond.torch.kfac.assignment import LayerWork, WorkerGrid
+    from precond.torch.kfac.communication import Communicator
+    from precond.torch.kfac.layers import KFACLayer
 
 logger = logging.getLogger("precond.torch.kfac")
 
@@ -30,6 +35,25 @@ class Checkpointing:
         "kl_clip",
         "lr",
     )
+
+    # What the mixin reads from KFAC (annotations only: KFAC sets them).
+    param_groups: list[dict[str, Any]]
+    layers: list[KFACLayer]
+    grid: WorkerGrid
+    communicator: Communicator
+    assignment: dict[str, LayerWork]
+    loglevel: int
+    inv_dtype: torch.dtype
+
+    if TYPE_CHECKING:  # KFAC's methods the mixin calls
+
+        def _dtype(self, layer: KFACLayer) -> torch.dtype: ...
+
+        def _second_order_layout(
+            self, layer: KFACLayer
+        ) -> list[tuple[str, str, tuple]]: ...
+
+        def _update_second_order(self) -> None: ...
 
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """What :meth:`load_state_dict` needs to continue the run exactly.
@@ -184,12 +208,12 @@ class Checkpointing:
         A dict without factors (``include_factors=False``) restores ``steps`` and
         the hyperparameters only.
         """
-        state_dict, exact = self._checked_state_dict(state_dict)
-        self._steps = int(state_dict["steps"])
+        checked, exact = self._checked_state_dict(state_dict)
+        self._steps = int(checked["steps"])
         for name in self._HYPERPARAMETERS:
-            if name in state_dict:
-                self.param_groups[0][name] = state_dict[name]
-        layers = state_dict.get("layers")
+            if name in checked:
+                self.param_groups[0][name] = checked[name]
+        layers = checked.get("layers")
         if layers is None:
             if compute_inverses:
                 warnings.warn(
@@ -200,7 +224,7 @@ class Checkpointing:
             return
         self._restore_factors(layers)
         if exact:
-            self._restore_second_order(state_dict["second_order"])
+            self._restore_second_order(checked["second_order"])
         elif compute_inverses:
             logger.log(
                 self.loglevel,
@@ -210,9 +234,9 @@ class Checkpointing:
         else:
             self._ready = dict.fromkeys(self._ready, False)
             return
-        if "ready" in state_dict:
+        if "ready" in checked:
             # As saved, on every rank (each column may have taken another branch).
-            ready = set(state_dict["ready"])
+            ready = set(checked["ready"])
             self._ready = {l.name: l.name in ready for l in self.layers}
 
     def _checked_state_dict(self, state_dict: Any) -> tuple[Mapping[str, Any], bool]:

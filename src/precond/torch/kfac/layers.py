@@ -29,7 +29,7 @@ __all__ = [
 
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why K-FAC cannot precondition ``module`` (``None`` if it can)."""
-    if type(module) not in (nn.Linear, nn.Conv2d):
+    if type(module) is not nn.Linear and type(module) is not nn.Conv2d:
         return f"{type(module).__name__} is not nn.Linear or nn.Conv2d"
     if not module.weight.requires_grad:
         return "its weight does not require a gradient"
@@ -111,7 +111,7 @@ class KFACLayer:
     the (out, in [+1]) matrix ∇ = [∇W_flat | ∇b] that A and G act on.
     """
 
-    def __init__(self, name: str, module: nn.Module):
+    def __init__(self, name: str, module: nn.Linear | nn.Conv2d):
         self.name = name
         self.module = module
         self.has_bias = _has_bias(module)
@@ -153,20 +153,26 @@ class KFACLayer:
 
     def grad_matrix(self) -> torch.Tensor:
         """∇ = [∇W reshaped to (out, rest) | ∇b]: shape (g_dim, a_dim)."""
-        grad = self.module.weight.grad.reshape(self.g_dim, -1)
+        weight_grad = self.module.weight.grad
+        assert weight_grad is not None  # called for layers with has_grad() only
+        grad = weight_grad.reshape(self.g_dim, -1)
         if self.has_bias:
-            bias_grad = self.module.bias.grad
+            bias = self.module.bias
+            assert bias is not None  # has_bias
+            bias_grad = bias.grad
             if bias_grad is None:
-                bias_grad = torch.zeros_like(self.module.bias)
+                bias_grad = torch.zeros_like(bias)
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
     def set_grad(self, matrix: torch.Tensor) -> None:
         """Writes ``matrix`` (g_dim, a_dim) back into the weight and bias grads."""
         weight = self.module.weight
+        assert weight.grad is not None  # called for layers with has_grad() only
         weight.grad.copy_(matrix[:, : weight[0].numel()].reshape(weight.shape))
         if self.has_bias:
             bias = self.module.bias
+            assert bias is not None  # has_bias
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
             bias.grad.copy_(matrix[:, -1])

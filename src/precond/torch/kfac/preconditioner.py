@@ -338,16 +338,17 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             if not has_params:
                 continue
             reason = unsupported_reason(module)
-            if reason is None and module.weight.numel() == 0:
+            if reason is not None:
+                logger.log(self.loglevel, "K-FAC skips %r: %s", name, reason)
+                continue
+            assert isinstance(module, nn.Linear | nn.Conv2d)  # all it admits
+            if module.weight.numel() == 0:
                 # nn.Linear(n, 0), nn.Linear(0, n), a 0-channel Conv2d: no weights
                 # to precondition (a bias alone keeps its plain gradient).
                 logger.log(self.loglevel, "K-FAC skips %r: its weight is empty", name)
                 continue
-            if reason is None:
-                registered.append(KFACLayer(name, module))
-                logger.log(self.loglevel, "K-FAC registers %r", registered[-1])
-            else:
-                logger.log(self.loglevel, "K-FAC skips %r: %s", name, reason)
+            registered.append(KFACLayer(name, module))
+            logger.log(self.loglevel, "K-FAC registers %r", registered[-1])
         if not registered:
             logger.warning("K-FAC registered no layers of %s", type(model).__name__)
         return registered
@@ -486,6 +487,7 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
                 (layer.g_sum, layer.g_count, layer.g_dim),
             ):
                 if count:
+                    assert total is not None  # count contributions were added
                     tensors.append(total / count if count > 1 else total)
                 else:
                     tensors.append(torch.zeros(dim, dim, dtype=dtype, device=device))
@@ -557,17 +559,21 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
 
     def _compute_second_order(self, layer: KFACLayer, work: LayerWork) -> None:
         rank, damping, dtype = self.communicator.rank, self.damping, self.inv_dtype
+        A, G = layer.A, layer.G
+        # Called for layers with both factors only.
+        assert A is not None
+        assert G is not None
         out = layer.second_order
         if self.compute_method is ComputeMethod.INVERSE:
             if rank == work.a_worker:
-                out["a_inv"] = damped_inverse(layer.A, damping, dtype)
+                out["a_inv"] = damped_inverse(A, damping, dtype)
             if rank == work.g_worker:
-                out["g_inv"] = damped_inverse(layer.G, damping, dtype)
+                out["g_inv"] = damped_inverse(G, damping, dtype)
             return
         if rank == work.a_worker:
-            d_a, out["q_a"] = eigen_decomposition(layer.A, dtype)
+            d_a, out["q_a"] = eigen_decomposition(A, dtype)
         if rank == work.g_worker:
-            d_g, out["q_g"] = eigen_decomposition(layer.G, dtype)
+            d_g, out["q_g"] = eigen_decomposition(G, dtype)
         if self.compute_eigenvalue_outer_product:
             if rank == work.a_worker:  # == g_worker (colocated)
                 out["prediv"] = 1.0 / (torch.outer(d_g, d_a) + damping)

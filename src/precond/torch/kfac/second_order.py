@@ -58,6 +58,9 @@ def precondition_eigen(
     or from ``d_a``, ``d_g`` and ``damping``."""
     rotated = q_g.T @ grad.to(q_a.dtype) @ q_a
     if prediv is None:
+        assert d_g is not None
+        assert d_a is not None
+        assert damping is not None
         rotated = rotated / (torch.outer(d_g, d_a) + damping)
     else:
         rotated = rotated * prediv
