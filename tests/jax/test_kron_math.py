@@ -69,68 +69,29 @@ def assert_close(actual, desired, rtol=RTOL):
 
 
 # --- (a) applying the preconditioner ----------------------------------------
-
-
-@pytest.mark.parametrize(("shape", "diagonal_mask"), CASES)
-def test_precondition_equals_explicit_kronecker_matrix(shape, diagonal_mask):
-    rng = np.random.default_rng(0)
-    Qs = random_factors(rng, shape, diagonal_mask)
-    G = rng.standard_normal(shape)
-    expected = ref.precondition(Qs, G)  # reshape(P @ vec(G))
-
-    U = km.precondition(to_jax(Qs), jnp.asarray(G))
-    assert U.dtype == jnp.float64
-    assert_close(U, expected)
-
-    grams = [km.factor_gram(Q) for Q in to_jax(Qs)]
-    for gram, Q in zip(grams, Qs, strict=True):
-        # Diagonal factors keep a vector gram q², dense ones the matrix QᵀQ.
-        want = Q * Q if Q.ndim == 1 else ref.factor_gram(Q)
-        assert_close(gram, want)
-    assert_close(km.precondition_with_grams(grams, jnp.asarray(G)), expected)
-
-
-@pytest.mark.parametrize(("shape", "diagonal_mask"), CASES)
-def test_mode_products_and_transposed_solves_equal_kronecker(shape, diagonal_mask):
-    """The building blocks: X ×_i Q_i and X ×_i Q_i^{-T} over all axes."""
-    rng = np.random.default_rng(1)
-    Qs = random_factors(rng, shape, diagonal_mask)
-    X = rng.standard_normal(shape)
-    mats = [ref.factor_matrix(Q) for Q in Qs]
-
-    assert_close(
-        km.apply_along_axes(to_jax(Qs), jnp.asarray(X)), ref.apply_kron(mats, X)
-    )
-    solved = jnp.asarray(X)
-    for axis, Q in enumerate(to_jax(Qs)):
-        solved = km.solve_transposed_along_axis(Q, solved, axis)
-    inverse_transposes = [np.linalg.inv(M).T for M in mats]
-    assert_close(solved, ref.apply_kron(inverse_transposes, X))
+# precondition, factor_gram, precondition_with_grams, apply_along_axes,
+# mode_product and solve_transposed_along_axis against the references:
+# tests/common/test_kron_kernels.py (both frameworks, one table).
 
 
 # --- (b) one factor update ----------------------------------------------------
 
 
 @pytest.mark.parametrize(("shape", "diagonal_mask"), CASES)
-def test_update_factors_equals_reference_step(shape, diagonal_mask):
+def test_update_factors_takes_a_meaningful_step(shape, diagonal_mask):
+    """The step equals the reference (and keeps triangular factors exactly
+    triangular) in tests/common/test_kron_kernels.py; here, it moves the
+    factors by much more than that table's tolerance."""
     rng = np.random.default_rng(2)
     Qs = random_factors(rng, shape, diagonal_mask)
     G = rng.standard_normal(shape) * 3.0
     V = rng.standard_normal(shape)
-    lr = 0.1
-
-    expected = ref.update_factors(Qs, G, V, lr)
-    got = km.update_factors(to_jax(Qs), jnp.asarray(G), jnp.asarray(V), lr)
-    assert len(got) == len(expected)
-    for new_Q, want, old_Q in zip(got, expected, Qs, strict=True):
+    got = km.update_factors(to_jax(Qs), jnp.asarray(G), jnp.asarray(V), 0.1)
+    assert len(got) == len(Qs)
+    for new_Q, old_Q in zip(got, Qs, strict=True):
         assert new_Q.shape == old_Q.shape
         assert new_Q.dtype == jnp.float64
-        assert_close(new_Q, want)
-        # The step is meaningful: factors moved by much more than the tolerance.
-        assert np.max(np.abs(want - old_Q)) > 1e-3 * np.max(np.abs(old_Q))
-        if old_Q.ndim == 2:
-            # triu(T)·Q of upper-triangular matrices stays exactly upper-triangular.
-            assert np.all(np.tril(np.asarray(new_Q), -1) == 0)
+        assert np.max(np.abs(np.asarray(new_Q) - old_Q)) > 1e-3 * np.max(np.abs(old_Q))
 
 
 @pytest.mark.parametrize("diagonal_mask", [(False, True, False), (True, False, True)])
@@ -274,8 +235,7 @@ def test_balance_factors_keeps_preconditioner_and_equalises_norms(shape, diagona
     np.testing.assert_allclose(
         np.prod(norms), np.prod([np.max(np.abs(Q)) for Q in Qs]), rtol=1e-12
     )
-    for got, want in zip(balanced, ref.balance_factors(Qs), strict=True):
-        assert_close(got, want)
+    # Against ref.balance_factors: tests/common/test_kron_kernels.py.
 
 
 # --- (f) fitting: the preconditioner converges to the oracle ------------------

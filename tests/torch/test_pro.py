@@ -89,7 +89,9 @@ def test_gen2_fit_equals_jax_with_the_same_draws(case, style):
         [torch.from_numpy(Q) for Q in factors],
         [torch.from_numpy(L) for L in lipschitz],
         torch.from_numpy(G),
-        tkm.whitening_targets(shape, diagonal, torch.zeros(())),
+        tkm.whitening_targets(
+            [torch.ones(d, dtype=torch.bool) for d in shape], diagonal
+        ),
         0.5,
         style,
         [None if diag else generator for diag in diagonal],

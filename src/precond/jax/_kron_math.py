@@ -1,8 +1,8 @@
 """Single-tensor kernels of PSGD Kron: arrays in, arrays out.
 
-No pytrees, no optimizer state, no random number generation: callers pass the
-noise. Symbols follow the PSGD papers (Li 2015, arXiv:1512.04202; Li 2018,
-arXiv:1809.10232):
+No pytrees, no optimizer state, no random number generation of their own:
+callers pass the noise (and the key of the sampled norm bounds). Symbols follow
+the PSGD papers (Li 2015, arXiv:1512.04202; Li 2018, arXiv:1809.10232):
 
 * ``G``: gradient (or momentum) tensor of order k with dims d_1..d_k.
 * ``Qs``: one factor per axis; a (d, d) upper-triangular matrix or a (d,) vector
@@ -22,6 +22,31 @@ A *packed* triangular factor is a (d + 1, d) array holding Q in its upper triang
 (diagonal included), the strict lower triangle of P_i = Q_iᵀQ_i below it, and
 diag(P_i) in its last row. It stores Q and the cached QᵀQ in about the memory of Q
 alone, so steps that do not update the preconditioner skip recomputing QᵀQ.
+
+Mirror: ``precond.torch._kron_math`` has the same kernels, with the same names,
+argument names and order, and conventions (tests/common/test_kron_kernels.py runs
+every kernel of both against the same float64 references). Two differences,
+both the frameworks':
+
+* Stacks. A JAX kernel sees one *unit* (one block; callers ``jax.vmap`` over a
+  stack of equal-shaped units, ``STACK_AXES = 0``); a torch kernel takes every
+  per-unit argument with a leading stack axis (``STACK_AXES = 1``: batched
+  matmuls instead of a vmap). The torch kernel is this kernel vmapped over axis 0
+  of its per-unit arguments; arguments shared by all units (axes, diagonal flags,
+  step sizes, the style, whitening targets, ``draw``) carry no stack axis. Shapes
+  in the docstrings are a unit's: a diagonal factor is a vector per unit
+  (:func:`is_diagonal`).
+* Randomness. ``rng`` is a PRNG key here and a ``torch.Generator`` (None: the
+  global one) in torch; ``draw(rng, shape, dtype)`` here, ``draw(rng, shape,
+  dtype, device)`` there (default :func:`normal_draw`). A key is used once, so
+  'PRO' splits its key between the two sampled bounds of a factor, where a
+  generator draws them in turn.
+
+Only here: the complex-number helpers (:func:`is_complex`, :func:`complex_dtype`,
+:func:`real_dtype`, :func:`conj`, :func:`conj_transpose`,
+:func:`squared_magnitude`, :func:`hermitian_part`), which torch tensors have as
+methods (``is_complex()``, ``conj()``, ``mH``, ``abs().square()``), and which
+other JAX PSGD modules (XMat, LRA, Affine) import.
 """
 
 from __future__ import annotations
@@ -34,6 +59,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from precond._common.kron_constants import (  # the styles both frameworks accept
+    UPDATE_STYLES as UPDATE_STYLES,
+)
+
+# Leading stack axes of a kernel's per-unit arguments: none, callers vmap (module
+# doc; 1 in precond.torch._kron_math).
+STACK_AXES = 0
 # sqrt(float32 machine epsilon) = 2^-11.5: scale of the damping noise added to G.
 DAMPING_SCALE = float(jnp.finfo(jnp.float32).eps) ** 0.5
 # Added to step-size denominators so an all-zero gradient never divides by zero.
@@ -82,13 +114,13 @@ def hermitian_part(S: jax.Array) -> jax.Array:
 
 
 def is_diagonal(factor: jax.Array) -> bool:
-    """A factor is diagonal when it is stored as a vector."""
-    return factor.ndim == 1
+    """A factor is diagonal when it is stored as a vector (per unit)."""
+    return factor.ndim == STACK_AXES + 1
 
 
 def mode_product(X: jax.Array, M: jax.Array, axis: int) -> jax.Array:
     """X ×_axis M: ``M @ X`` along ``axis`` (M a (d', d) matrix), or ``M ⊙ X``."""
-    if M.ndim == 1:
+    if is_diagonal(M):
         shape = [1] * X.ndim
         shape[axis] = M.shape[0]
         return X * M.reshape(shape)
@@ -114,7 +146,7 @@ def unfold_gram(X: jax.Array, axis: int, diagonal: bool) -> jax.Array:
 def solve_transposed_along_axis(Q: jax.Array, X: jax.Array, axis: int) -> jax.Array:
     """X ×_axis Q^{-T} (Q^{-H} if complex) for an upper-triangular Q (a vector Q
     divides)."""
-    if Q.ndim == 1:
+    if is_diagonal(Q):
         shape = [1] * X.ndim
         shape[axis] = Q.shape[0]
         return X / conj(Q).reshape(shape)
@@ -148,9 +180,15 @@ def norm_lower_bound(S: jax.Array) -> jax.Array:
     return jnp.where(scale > 0, bound, 0).astype(real_dtype(S.dtype))
 
 
+def normal_draw(rng: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+    """N(0, I) of ``shape`` from the key ``rng`` (the default ``draw`` of the
+    sampled norm bounds; tests inject their own)."""
+    return jax.random.normal(rng, shape, dtype)
+
+
 def sampled_norm_lower_bound(
     S: jax.Array,
-    key: jax.Array,
+    rng: jax.Array,
     draw: Callable | None = None,
     vectors: int = 32,
     iterations: int = 2,
@@ -162,14 +200,14 @@ def sampled_norm_lower_bound(
     vectors is x + sign(⟨x, w⟩)·w with w ~ N(0, I) (so it leans toward x); each
     iteration maps v ↦ Ŝᵀ(Ŝᵀv/‖Ŝᵀv‖) (row vectors: v ↦ (vŜ/‖vŜ‖)Ŝ). Returns
     s·max_k‖v_k‖, the largest of k Rayleigh-type lower bounds (the bound is
-    exactly what distributed-kron 2.0's generation-2 rule estimates). ``draw(key,
-    shape)`` draws w (default ``jax.random.normal``).
+    exactly what distributed-kron 2.0's generation-2 rule estimates). ``draw(rng,
+    shape, dtype)`` draws w (default :func:`normal_draw`).
     """
     scale = jnp.max(jnp.abs(S)) + TINY
     S_hat = S / scale
     row = jnp.argmax(jnp.sum(S_hat * S_hat, axis=1))
     x = jax.lax.dynamic_index_in_dim(S_hat, row, axis=0, keepdims=False)
-    W = (draw or jax.random.normal)(key, (vectors, S.shape[1]), S.dtype)
+    W = (draw or normal_draw)(rng, (vectors, S.shape[1]), S.dtype)
     V = x + jnp.sign(jnp.sum(x * W, axis=1, keepdims=True)) * W
     for _ in range(iterations):
         V = V @ S_hat
@@ -262,7 +300,7 @@ def balance_factors(
     for i, Q in enumerate(Qs):
         magnitude = jnp.abs(Q)
         if valid is not None:
-            mask = valid[i] if Q.ndim == 1 else valid[i][:, None] & valid[i][None, :]
+            mask = valid[i] if is_diagonal(Q) else valid[i][:, None] & valid[i][None, :]
             magnitude = jnp.where(mask, magnitude, 0)
         norms.append(jnp.max(magnitude))
     norms = jnp.stack(norms)
@@ -274,7 +312,7 @@ def balance_factors(
 def factor_gram(Q: jax.Array) -> jax.Array:
     """P_i = Q_iᵀQ_i (Q_iᴴQ_i) for a matrix factor, q_i² (|q_i|²) for a diagonal
     one."""
-    if Q.ndim == 1:
+    if is_diagonal(Q):
         return conj(Q) * Q
     return hermitian_part(conj_transpose(Q) @ Q)
 
@@ -284,7 +322,7 @@ def precondition(Qs: Sequence[jax.Array], G: jax.Array) -> jax.Array:
     axis."""
     for axis, Q in enumerate(Qs):
         G = mode_product(G, Q, axis)
-        G = mode_product(G, conj(Q) if Q.ndim == 1 else conj_transpose(Q), axis)
+        G = mode_product(G, conj(Q) if is_diagonal(Q) else conj_transpose(Q), axis)
     return G
 
 
@@ -313,8 +351,6 @@ def unpack_gram(packed: jax.Array) -> jax.Array:
     return strict_lower + conj_transpose(strict_lower) + jnp.diag(packed[-1])
 
 
-# Generation-2 update rules (preconditioner_update_style): no triangular solves.
-UPDATE_STYLES = ("EQ", "QUAD", "PRO")
 # Smoothing β_L of the Lipschitz estimates L_i of the generation-2 rules.
 LIPSCHITZ_DECAY = 0.95
 # The Procrustes rotation step is at most this (its series is second order).
@@ -323,8 +359,9 @@ MAX_PROCRUSTES_STEP = 0.125
 
 def whitening_targets(valid: Sequence[jax.Array], diagonal: Sequence[bool]):
     """E[V_(i)V_(i)ᵀ] for V ~ N(0, I) on the real entries of a zero-padded block:
-    c_i·diag(valid_i), c_i = ∏_{j≠i} (number of real entries of axis j); vectors
-    for diagonal factors, matrices otherwise."""
+    c_i·diag(valid_i), c_i = ∏_{j≠i} (number of real entries of axis j), in
+    float32; vectors for diagonal factors, matrices otherwise. ``valid``: one
+    boolean vector per axis (all True for a block without padding)."""
     counts = [jnp.sum(v.astype(jnp.float32)) for v in valid]
     targets = []
     for i, (v, diag) in enumerate(zip(valid, diagonal, strict=True)):
@@ -335,7 +372,7 @@ def whitening_targets(valid: Sequence[jax.Array], diagonal: Sequence[bool]):
 
 
 def procrustes_step(
-    Q: jax.Array, key: jax.Array | None = None, draw: Callable | None = None
+    Q: jax.Array, rng: jax.Array | None = None, draw: Callable | None = None
 ) -> jax.Array:
     """Rotates Q toward the symmetric positive semi-definite polar factor of QᵀQ.
 
@@ -345,13 +382,14 @@ def procrustes_step(
     P = QᵀQ unchanged to second order in a. Complex Q: R = Qᴴ − Q is
     skew-Hermitian, exp(aR) unitary, and the traces are their real parts (a
     maximises Re tr(exp(aR)Q), the pull toward the Hermitian polar factor).
-    With a ``key``, ‖R‖₂ is bounded by :func:`sampled_norm_lower_bound` instead.
+    With a key ``rng``, ‖R‖₂ is bounded by :func:`sampled_norm_lower_bound`
+    instead (``draw``: its normal draws).
     """
     R = conj_transpose(Q) - Q
-    if key is None:
+    if rng is None:
         bound = norm_lower_bound(R)
     else:
-        bound = sampled_norm_lower_bound(R, key, draw)
+        bound = sampled_norm_lower_bound(R, rng, draw)
     R = R / (bound + TINY)
     RQ = R @ Q
     RRQ = R @ RQ
@@ -371,7 +409,7 @@ def update_factors_gen2(
     targets: Sequence[jax.Array],
     preconditioner_lr: jax.Array | float,
     style: str,
-    keys: Sequence[jax.Array | None] | None = None,
+    rngs: Sequence[jax.Array | None] | None = None,
     draw: Callable | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """One generation-2 PSGD step ('QUAD' or 'PRO'), fitting P = ⊗ Q_iᵀQ_i with
@@ -390,30 +428,30 @@ def update_factors_gen2(
               Q ← (Q'' + Q''ᵀ)/2 (Q stays symmetric; Hermitian if complex);
               q ← q⊙(1 − (μ/2)(T1 − T2))² for a diagonal factor.
 
-    ``G`` should already carry its damping noise. ``keys`` (one per factor, used
-    by matrix factors; real tensors): lb(T1) is :func:`sampled_norm_lower_bound`
-    instead, and for 'PRO' the key is split between it and the rotation's bound
-    (``draw``: their normal draws, see there).
+    ``G`` should already carry its damping noise. ``rngs`` (one key or None per
+    factor, used by matrix factors; real tensors): lb(T1) is
+    :func:`sampled_norm_lower_bound` instead, and for 'PRO' the key is split
+    between it and the rotation's bound (``draw``: their normal draws, see there).
     Returns the new factors and L_i.
     """
     Pg = precondition(Qs, G)
-    keys = [None] * len(Qs) if keys is None else keys
+    rngs = [None] * len(Qs) if rngs is None else rngs
     new_Qs, new_L = [], []
-    for axis, (Q, L, T2, key) in enumerate(
-        zip(Qs, lipschitz, targets, keys, strict=True)
+    for axis, (Q, L, T2, rng) in enumerate(
+        zip(Qs, lipschitz, targets, rngs, strict=True)
     ):
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(Pg, axis, diagonal)
         T2 = T2.astype(T1.dtype)
-        rotation_key = None
+        rotation_rng = None
         if diagonal:
             ell = jnp.max(T1) + jnp.max(T2)
-        elif key is None:
+        elif rng is None:
             ell = norm_lower_bound(T1) + norm_lower_bound(T2)
         else:
             if style == "PRO":
-                key, rotation_key = jax.random.split(key)
-            ell = sampled_norm_lower_bound(T1, key, draw) + norm_lower_bound(T2)
+                rng, rotation_rng = jax.random.split(rng)
+            ell = sampled_norm_lower_bound(T1, rng, draw) + norm_lower_bound(T2)
         L = jnp.maximum(LIPSCHITZ_DECAY * L + (1 - LIPSCHITZ_DECAY) * ell, ell)
         mu = preconditioner_lr / (L + TINY)
         E = T1 - T2
@@ -421,7 +459,7 @@ def update_factors_gen2(
             gain = 1 - (mu if style == "PRO" else 0.5 * mu) * E
             Q = Q * (gain if style == "PRO" else gain * gain)
         elif style == "PRO":
-            Q = procrustes_step(Q - mu * (E @ Q), rotation_key, draw)
+            Q = procrustes_step(Q - mu * (E @ Q), rotation_rng, draw)
         else:
             Q = Q - (0.5 * mu) * (E @ Q)
             Q = Q - (0.5 * mu) * (Q @ E)

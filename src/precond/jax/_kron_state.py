@@ -86,7 +86,7 @@ def stored(config: KronConfig, Q: jax.Array) -> jax.Array:
 def stored_factor(config: KronConfig, Q: jax.Array) -> jax.Array:
     """The state array of a factor: a diagonal one as it is, a matrix one by
     :func:`stored`."""
-    if Q.ndim == 1:
+    if km.is_diagonal(Q):
         return Q.astype(storage_dtype(config, Q))
     return stored(config, Q)
 
@@ -94,7 +94,7 @@ def stored_factor(config: KronConfig, Q: jax.Array) -> jax.Array:
 def factor_of(config: KronConfig, F: jax.Array) -> jax.Array:
     """Q_i (or the diagonal q_i) from a factor's state array."""
     F = working(config, F)
-    if F.ndim == 1 or config.cache is None:
+    if km.is_diagonal(F) or config.cache is None:
         return F
     if config.cache == "dense":
         return F[0]
@@ -107,7 +107,7 @@ def factor_of(config: KronConfig, F: jax.Array) -> jax.Array:
 def gram_of(config: KronConfig, F: jax.Array) -> jax.Array:
     """P_i = Q_iᵀQ_i (Q_iᴴQ_i) from a cached factor's state array."""
     F = working(config, F)
-    if F.ndim == 1:
+    if km.is_diagonal(F):
         return km.factor_gram(F)
     return km.unpack_gram(F) if config.cache == "packed" else F[1]
 

@@ -1,8 +1,26 @@
 """Kernels of PSGD Kron for torch: the mirror of ``precond.jax._kron_math``.
 
-Same function names, argument order and math, with one difference: every tensor
-carries a leading *stack* axis, so a single call fits or applies the factors of
-many equal-shaped parameters (batched matmuls and solves instead of a Python loop).
+Same kernels, with the same names, argument names and order, math and
+conventions (tests/common/test_kron_kernels.py runs every kernel of both against
+the same float64 references). Two differences, both the frameworks':
+
+* Stacks. Every per-unit argument carries a leading *stack* axis
+  (``STACK_AXES = 1``), so one call fits or applies the factors of many
+  equal-shaped units with batched matmuls and solves, where precond.jax's kernels
+  see one unit and their callers ``jax.vmap`` (``STACK_AXES = 0``): each kernel
+  here is the JAX kernel vmapped over axis 0 of its per-unit arguments.
+  Arguments shared by all units (axes, diagonal flags, step sizes, the style,
+  whitening targets, ``draw``) carry no stack axis. A diagonal factor is a
+  vector per unit (:func:`is_diagonal`).
+* Randomness. ``rng`` is a ``torch.Generator`` (None: torch's global one) here
+  and a PRNG key in JAX; ``draw(rng, shape, dtype, device)`` here (torch places
+  a draw on a device), ``draw(rng, shape, dtype)`` there (default
+  :func:`normal_draw`). A generator draws the two sampled bounds of a 'PRO'
+  factor in turn, where a key is split between them.
+
+Only here: private reshaping helpers; the complex-number helpers of the JAX
+module are tensor methods in torch (``is_complex()``, ``conj()``, ``mH``).
+
 Symbols (Li 2015, arXiv:1512.04202; Li 2018, arXiv:1809.10232):
 
 * ``G``: (B, d_1, …, d_k) gradients (or momenta) of B equal-shaped tensors.
@@ -14,11 +32,16 @@ Complex tensors are supported throughout (Li's PSGD is defined for them): P is
 Hermitian, P = ⊗ Q_iᴴQ_i, grams are X_(i)X_(i)ᴴ, B uses Q_i^{-H}, and triangular
 factors keep a real positive diagonal. For real tensors ``conj`` is a no-op, so
 the real results are unchanged (ᴴ reads as ᵀ).
+
+A *packed* triangular factor is a (B, d + 1, d) array holding Q in its upper
+triangle, the strict lower triangle of P_i = Q_iᴴQ_i below it and diag(P_i) in
+its last row.
 """
 
 from __future__ import annotations
 
-import math
+import functools
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,6 +50,9 @@ from precond._common.kron_constants import (  # the styles both frameworks accep
     UPDATE_STYLES as UPDATE_STYLES,
 )
 
+# Leading stack axes of a kernel's per-unit arguments (module doc; 0 in
+# precond.jax._kron_math, whose callers vmap).
+STACK_AXES = 1
 # sqrt(float32 machine epsilon) = 2^-11.5: scale of the damping noise added to G.
 DAMPING_SCALE = torch.finfo(torch.float32).eps ** 0.5
 # Added to step-size denominators so an all-zero gradient never divides by zero.
@@ -34,8 +60,9 @@ TINY = torch.finfo(torch.float32).tiny
 
 
 def is_diagonal(factor: torch.Tensor) -> bool:
-    """A factor is diagonal when it is stored as a (B, d) stack of vectors."""
-    return factor.ndim == 2
+    """A factor is diagonal when it is stored as a vector per unit: a (B, d)
+    stack of vectors."""
+    return factor.ndim == STACK_AXES + 1
 
 
 def _rows(X: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Size]:
@@ -59,7 +86,7 @@ def _along(vector: torch.Tensor, X: torch.Tensor, axis: int) -> torch.Tensor:
 
 def mode_product(X: torch.Tensor, M: torch.Tensor, axis: int) -> torch.Tensor:
     """X ×_axis M: ``M @ X`` along ``axis`` (M a (B, d', d) stack), or ``M ⊙ X``."""
-    if M.ndim == 2:
+    if is_diagonal(M):
         return X * _along(M, X, axis)
     rows, moved = _rows(X, axis)
     return _unrows(torch.bmm(rows, M.transpose(1, 2)), moved, axis)
@@ -86,7 +113,7 @@ def solve_transposed_along_axis(
     Q: torch.Tensor, X: torch.Tensor, axis: int
 ) -> torch.Tensor:
     """X ×_axis Q^{-H} for upper-triangular Q (a vector Q divides by conj(q))."""
-    if Q.ndim == 2:
+    if is_diagonal(Q):
         return X / _along(Q.conj(), X, axis)
     rows, moved = _rows(X, axis)
     # Row-vector form of Q^{-H} x = conj(Q)^{-T} x: solve y conj(Q) = xᵀ for y.
@@ -120,9 +147,20 @@ def norm_lower_bound(S: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, bound, torch.zeros_like(bound))
 
 
-def add_damping_noise(G: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """G̃ = G + sqrt(ε_f32)·mean|G|·V, the mean per stack entry."""
-    mean = G.abs().reshape(G.shape[0], -1).mean(dim=1)
+def add_damping_noise(
+    G: torch.Tensor,
+    V: torch.Tensor,
+    valid_count: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """G̃ = G + sqrt(ε_f32)·mean|G|·V (|G| the modulus for a complex G), the mean
+    per stack entry. For zero-padded blocks, pass the number of real entries
+    (an int, or one per stack entry) as ``valid_count`` so the mean ignores
+    the padding."""
+    magnitudes = G.abs().reshape(G.shape[0], -1)
+    if valid_count is None:
+        mean = magnitudes.mean(dim=1)
+    else:
+        mean = magnitudes.sum(dim=1) / valid_count
     return G + DAMPING_SCALE * _expand(mean, G) * V
 
 
@@ -133,10 +171,13 @@ def _expand(per_entry: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 def update_factors(
     Qs: Sequence[torch.Tensor],
     G: torch.Tensor,
-    V: torch.Tensor,
-    preconditioner_lr: float,
+    V: torch.Tensor | None,
+    preconditioner_lr: torch.Tensor | float,
+    *,
+    step_normalizer_order: str = "2nd",
+    noise_grams: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """One PSGD step on the Kronecker factors, fitting P = ⊗ Q_iᵀQ_i to (G, V).
+    """One PSGD step on the Kronecker factors, fitting P = ⊗ Q_iᴴQ_i to (G, V).
 
     A = G ×_1 Q_1 … ×_k Q_k and B = V ×_1 Q_1^{-H} … ×_k Q_k^{-H}; per axis, with
     T1 = A_(i)A_(i)ᴴ and T2 = B_(i)B_(i)ᴴ (diagonals only for diagonal factors):
@@ -146,32 +187,59 @@ def update_factors(
 
     lb is :func:`norm_lower_bound`, one step size per stack entry. ``G`` should
     already carry the damping noise (:func:`add_damping_noise`).
+
+    Args:
+        step_normalizer_order: '2nd' (above) or '1st': the step is normalised by
+            the gradient instead, η / (lb(triu(T1 − T2)) + tiny) (diagonal:
+            η / (max|T1 − T2| + tiny)).
+        noise_grams: per axis, a given stack of T2 (matrices, or diagonal
+            vectors for a diagonal factor) used instead of the one from V;
+            ``V`` is then not used and may be None.
     """
     A = apply_along_axes(Qs, G)
-    B = V
-    for axis, Q in enumerate(Qs):
-        B = solve_transposed_along_axis(Q, B, axis)
+    if noise_grams is None:
+        B = V
+        for axis, Q in enumerate(Qs):
+            B = solve_transposed_along_axis(Q, B, axis)
+    first_order = step_normalizer_order == "1st"
     new_Qs = []
     for axis, Q in enumerate(Qs):
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(A, axis, diagonal)
-        T2 = unfold_gram(B, axis, diagonal)
+        if noise_grams is None:
+            T2 = unfold_gram(B, axis, diagonal)
+        else:
+            T2 = noise_grams[axis]
         if diagonal:
-            step = preconditioner_lr / ((T1 + T2).abs().amax(dim=1) + TINY)
+            normalizer = (T1 - T2).abs() if first_order else (T1 + T2).abs()
+            step = preconditioner_lr / (normalizer.amax(dim=1) + TINY)
             new_Qs.append(Q - step[:, None] * (T1 - T2) * Q)
         else:
             gradient = torch.triu(T1 - T2)
-            step = preconditioner_lr / (norm_lower_bound(T1 + T2) + TINY)
+            normalizer = gradient if first_order else T1 + T2
+            step = preconditioner_lr / (norm_lower_bound(normalizer) + TINY)
             new_Qs.append(Q - step[:, None, None] * torch.bmm(gradient, Q))
     return new_Qs
 
 
-def balance_factors(Qs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Rescales each entry's factors to equal max-abs norms, ⊗ Q_iᵀQ_i unchanged.
+def balance_factors(
+    Qs: Sequence[torch.Tensor], valid: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """Rescales each entry's factors to equal max-abs norms, ⊗ Q_iᴴQ_i unchanged.
 
-    n_i = max|Q_i|, γ = (∏ n_i)^{1/k}: Q_i ← Q_i·γ/n_i.
+    n_i = max|Q_i|, γ = (∏ n_i)^{1/k}: Q_i ← Q_i·γ/n_i. ``valid`` (one boolean
+    (B, d) stack, or one (d,) vector for every entry, per axis) restricts the
+    norms to the real rows and columns of zero-padded blocks.
     """
-    norms = torch.stack([Q.abs().reshape(Q.shape[0], -1).amax(dim=1) for Q in Qs])
+    norms = []
+    for i, Q in enumerate(Qs):
+        magnitude = Q.abs()
+        if valid is not None:
+            v = valid[i]
+            mask = v if is_diagonal(Q) else v[..., :, None] & v[..., None, :]
+            magnitude = torch.where(mask, magnitude, torch.zeros_like(magnitude))
+        norms.append(magnitude.reshape(Q.shape[0], -1).amax(dim=1))
+    norms = torch.stack(norms)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     gamma = safe.log().mean(dim=0).exp()
     return [Q * _expand(gamma / safe[i], Q) for i, Q in enumerate(Qs)]
@@ -179,15 +247,23 @@ def balance_factors(Qs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def factor_gram(Q: torch.Tensor) -> torch.Tensor:
     """P_i = Q_iᴴQ_i per entry for matrix factors, |q_i|² for diagonal ones."""
-    return Q * Q.conj() if Q.ndim == 2 else torch.bmm(Q.mH, Q)
+    return Q * Q.conj() if is_diagonal(Q) else torch.bmm(Q.mH, Q)
 
 
 def precondition(Qs: Sequence[torch.Tensor], G: torch.Tensor) -> torch.Tensor:
     """U = P·G = G ×_1 Q_1ᴴQ_1 … ×_k Q_kᴴQ_k, applying Q_i then Q_iᴴ per axis."""
     for axis, Q in enumerate(Qs):
         G = mode_product(G, Q, axis)
-        G = mode_product(G, Q.conj() if Q.ndim == 2 else Q.mH, axis)
+        G = mode_product(G, Q.conj() if is_diagonal(Q) else Q.mH, axis)
     return G
+
+
+def precondition_with_grams(
+    Ps: Sequence[torch.Tensor], G: torch.Tensor
+) -> torch.Tensor:
+    """U = G ×_1 P_1 … ×_k P_k with precomputed (symmetric or Hermitian)
+    P_i = Q_iᴴQ_i."""
+    return apply_along_axes(Ps, G)
 
 
 def pack_factor(Q: torch.Tensor) -> torch.Tensor:
@@ -216,35 +292,37 @@ MAX_PROCRUSTES_STEP = 0.125
 
 
 def whitening_targets(
-    shape: Sequence[int], diagonal: Sequence[bool], like: torch.Tensor
+    valid: Sequence[torch.Tensor], diagonal: Sequence[bool]
 ) -> list[torch.Tensor]:
-    """E[V_(i)V_(i)ᴴ] = c_i·I for V ~ N(0, I) (or CN(0, I)) of ``shape``
-    (without the stack axis), c_i = ∏_{j≠i} d_j; a (d,) vector for a diagonal
-    factor, (d, d) else (broadcast over the stack), in the real dtype of
-    ``like`` and on its device."""
-    dtype = like.real.dtype if like.is_complex() else like.dtype
+    """E[V_(i)V_(i)ᴴ] for V ~ N(0, I) (or CN(0, I)) on the real entries of a
+    zero-padded block: c_i·diag(valid_i), c_i = ∏_{j≠i} (number of real entries
+    of axis j), in float32 on ``valid``'s device; a vector for a diagonal
+    factor, a matrix otherwise. ``valid``: one boolean vector per axis (all True
+    for a block without padding), shared by the units of a stack, as the
+    targets are."""
+    counts = [v.to(torch.float32).sum() for v in valid]
     targets = []
-    for i, (d, diag) in enumerate(zip(shape, diagonal, strict=True)):
-        c = math.prod(shape[:i]) * math.prod(shape[i + 1 :])
-        t = torch.full((d,), float(c), dtype=dtype, device=like.device)
+    for i, (v, diag) in enumerate(zip(valid, diagonal, strict=True)):
+        c = functools.reduce(operator.mul, counts[:i] + counts[i + 1 :], 1.0)
+        t = c * v.to(torch.float32)
         targets.append(t if diag else torch.diag(t))
     return targets
 
 
 def normal_draw(
-    generator: torch.Generator | None,
+    rng: torch.Generator | None,
     shape: Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """N(0, I) of ``shape`` from ``generator`` (the default ``draw`` of the
-    sampled norm bounds; tests inject their own)."""
-    return torch.randn(tuple(shape), generator=generator, dtype=dtype, device=device)
+    """N(0, I) of ``shape`` from the generator ``rng`` (the default ``draw`` of
+    the sampled norm bounds; tests inject their own)."""
+    return torch.randn(tuple(shape), generator=rng, dtype=dtype, device=device)
 
 
 def sampled_norm_lower_bound(
     S: torch.Tensor,
-    key: torch.Generator | None = None,
+    rng: torch.Generator | None,
     draw: Callable | None = None,
     vectors: int = 32,
     iterations: int = 2,
@@ -254,16 +332,16 @@ def sampled_norm_lower_bound(
 
     s = max|S_b|, Ŝ = S_b/s, x = the row of Ŝ with the largest norm; k start
     vectors x + sign(⟨x, w⟩)·w, w ~ N(0, I), each mapped twice by
-    v ↦ (vŜ/‖vŜ‖)Ŝ; returns s·max_k‖v_k‖. ``draw(key, (B, k, d), dtype,
+    v ↦ (vŜ/‖vŜ‖)Ŝ; returns s·max_k‖v_k‖. ``draw(rng, (B, k, d), dtype,
     device)`` draws the w (default :func:`normal_draw`, from the generator
-    ``key``).
+    ``rng``).
     """
     B, d = S.shape[0], S.shape[-1]
     scale = S.abs().amax(dim=(1, 2)) + TINY
     S_hat = S / scale[:, None, None]
     row = (S_hat * S_hat).sum(dim=2).argmax(dim=1)
     x = torch.take_along_dim(S_hat, row[:, None, None], dim=1)  # (B, 1, d)
-    W = (draw or normal_draw)(key, (B, vectors, d), S.dtype, S.device)
+    W = (draw or normal_draw)(rng, (B, vectors, d), S.dtype, S.device)
     V = x + torch.sign((x * W).sum(dim=2, keepdim=True)) * W
     for _ in range(iterations):
         V = torch.bmm(V, S_hat)
@@ -274,20 +352,20 @@ def sampled_norm_lower_bound(
 
 def procrustes_step(
     Q: torch.Tensor,
-    key: torch.Generator | None = None,
+    rng: torch.Generator | None = None,
     draw: Callable | None = None,
 ) -> torch.Tensor:
     """Rotates each (B, d, d) Q toward the symmetric PSD polar factor of QᴴQ:
     R = Qᴴ − Q normalised by lb(R), Q ← Q + aRQ + (a²/2)R²Q with
     a = min(−tr(RQ)/tr(R²Q), 1/8) when tr(R²Q) < 0, else 1/8 (P = QᴴQ kept to
     second order in a). Complex Q: R is skew-Hermitian (exp(aR) unitary) and
-    the traces are their real parts. With a generator ``key`` (real Q), lb is
+    the traces are their real parts. With a generator ``rng`` (real Q), lb is
     :func:`sampled_norm_lower_bound` (``draw``: its normal draws)."""
     R = Q.mH - Q
-    if key is None:
+    if rng is None:
         bound = norm_lower_bound(R)
     else:
-        bound = sampled_norm_lower_bound(R, key, draw)
+        bound = sampled_norm_lower_bound(R, rng, draw)
     R = R / (bound + TINY)[:, None, None]
     RQ = torch.bmm(R, Q)
     RRQ = torch.bmm(R, RQ)
@@ -309,7 +387,7 @@ def update_factors_gen2(
     targets: Sequence[torch.Tensor],
     preconditioner_lr: float,
     style: str,
-    keys: Sequence[torch.Generator | None] | None = None,
+    rngs: Sequence[torch.Generator | None] | None = None,
     draw: Callable | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One generation-2 PSGD step ('QUAD' or 'PRO') on each stack entry, as
@@ -321,27 +399,27 @@ def update_factors_gen2(
         QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
               Q ← (Q'' + Q''ᴴ)/2;  q ← q⊙(1 − (μ/2)(T1 − T2))²
 
-    ``lipschitz`` holds one (B,) tensor per axis. ``keys`` (one
+    ``lipschitz`` holds one (B,) tensor per axis. ``rngs`` (one
     ``torch.Generator`` or None per factor, used by matrix factors of real
     tensors): lb(T1) is :func:`sampled_norm_lower_bound` instead, and 'PRO''s
     rotation bounds ‖R‖₂ the same way, drawing next from the same generator
     (``draw``: their normal draws). Returns new factors and L_i.
     """
     Pg = precondition(Qs, G)
-    keys = [None] * len(Qs) if keys is None else keys
+    rngs = [None] * len(Qs) if rngs is None else rngs
     new_Qs, new_L = [], []
-    for axis, (Q, L, T2, key) in enumerate(
-        zip(Qs, lipschitz, targets, keys, strict=True)
+    for axis, (Q, L, T2, rng) in enumerate(
+        zip(Qs, lipschitz, targets, rngs, strict=True)
     ):
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(Pg, axis, diagonal)
         T2 = T2.to(T1.dtype).expand_as(T1)
         if diagonal:
             ell = T1.amax(dim=1) + T2.amax(dim=1)
-        elif key is None:
+        elif rng is None:
             ell = norm_lower_bound(T1) + norm_lower_bound(T2)
         else:
-            ell = sampled_norm_lower_bound(T1, key, draw) + norm_lower_bound(T2)
+            ell = sampled_norm_lower_bound(T1, rng, draw) + norm_lower_bound(T2)
         # β_L·L in the stored dtype (float32), as precond.jax computes it.
         decayed = (LIPSCHITZ_DECAY * L).to(ell.dtype)
         L = torch.maximum(decayed + (1 - LIPSCHITZ_DECAY) * ell, ell)
@@ -352,7 +430,7 @@ def update_factors_gen2(
             gain = 1 - scale[:, None] * E
             Q = Q * (gain if style == "PRO" else gain * gain)
         elif style == "PRO":
-            Q = procrustes_step(Q - mu[:, None, None] * torch.bmm(E, Q), key, draw)
+            Q = procrustes_step(Q - mu[:, None, None] * torch.bmm(E, Q), rng, draw)
         else:
             half = (0.5 * mu)[:, None, None]
             Q = Q - half * torch.bmm(E, Q)

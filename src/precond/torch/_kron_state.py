@@ -160,7 +160,7 @@ def generation_2(group: dict[str, Any]) -> bool:
 
 def stored(Q: torch.Tensor, cache: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The state array of a (B, ...) stack of factors in the cache layout."""
-    if Q.ndim == 2 or cache is None:  # diagonal factors are stored as they are
+    if km.is_diagonal(Q) or cache is None:  # diagonal factors: stored as they are
         return Q.to(dtype)
     if cache == "packed":
         return km.pack_factor(Q).to(dtype)
@@ -169,7 +169,7 @@ def stored(Q: torch.Tensor, cache: str | None, dtype: torch.dtype) -> torch.Tens
 
 def factor_of(F: torch.Tensor, cache: str | None, style: str) -> torch.Tensor:
     """Q (or the diagonal q) from a stack of state arrays."""
-    if F.ndim == 2 or cache is None:
+    if km.is_diagonal(F) or cache is None:
         return F
     if cache == "dense":
         return F[:, 0]
@@ -181,7 +181,7 @@ def factor_of(F: torch.Tensor, cache: str | None, style: str) -> torch.Tensor:
 
 def gram_of(F: torch.Tensor, cache: str) -> torch.Tensor:
     """P = QᵀQ (q² for a diagonal factor) from a stack of cached state arrays."""
-    if F.ndim == 2:
+    if km.is_diagonal(F):
         return F * F
     return F[:, 1] if cache == "dense" else km.unpack_gram(F)
 

@@ -607,9 +607,10 @@ def _fit_gen2(group, states, factors, target, noise, mu_hat):
         torch.stack([s[LIPSCHITZ][axis] for s in states])
         for axis in range(len(factors))
     ]
-    targets = km.whitening_targets(
-        tuple(mu_hat.shape[1:]), [km.is_diagonal(Q) for Q in factors], mu_hat
-    )
+    valid = [
+        torch.ones(d, dtype=torch.bool, device=mu_hat.device) for d in mu_hat.shape[1:]
+    ]
+    targets = km.whitening_targets(valid, [km.is_diagonal(Q) for Q in factors])
     return km.update_factors_gen2(
         factors,
         lipschitz,

@@ -327,8 +327,9 @@ class Pro(shared.CheckedOptimizer):
             noisy = G + noise_scale * V
         else:
             noisy = km.add_relative_damping_noise(G, V, noise_scale)
-        keys = [None if diag else generator for diag in diagonal]
-        targets = km.whitening_targets(G.shape[1:], diagonal, G)
+        rngs = [None if diag else generator for diag in diagonal]
+        valid = [torch.ones(d, dtype=torch.bool, device=G.device) for d in G.shape[1:]]
+        targets = km.whitening_targets(valid, diagonal)
         new_factors, new_lipschitz = km.update_factors_gen2(
             factors,
             lipschitz,
@@ -336,7 +337,7 @@ class Pro(shared.CheckedOptimizer):
             targets,
             group["preconditioner_lr"],
             group["preconditioner_update_style"],
-            keys,
+            rngs,
             _draw,
         )
         finite = torch.stack(
