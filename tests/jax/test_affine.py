@@ -464,17 +464,3 @@ def test_zero_max_sizes_make_every_factor_diagonal():
     for kwargs in (dict(max_size_triangular=0), dict(max_skew_triangular=0)):
         state = scale_by_affine(**kwargs).init(params)
         assert all(f.ndim == 1 for f in jax.tree.leaves(state.preconditioner))
-
-
-def test_inject_hyperparams_needs_the_integer_limits_static():
-    """The limits fix factor shapes: inject_hyperparams must keep them Python
-    ints (static_args), as Kron's; the error says so."""
-    params = {"w": jnp.zeros((3, 4))}
-    with pytest.raises(TypeError, match="list it in static_args"):
-        optax.inject_hyperparams(affine)(learning_rate=0.1).init(params)
-    injected = optax.inject_hyperparams(
-        affine, static_args=affine_module.AFFINE_STATIC_ARGS
-    )(learning_rate=0.1)
-    factors = injected.init(params).inner_state[0].preconditioner["w"]
-    assert factors.left.shape == (3, 3)
-    assert factors.right.shape == (4, 4)

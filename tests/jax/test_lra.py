@@ -413,36 +413,12 @@ def test_precision_reaches_every_matmul(precision, hlo):
     assert set(re.findall(r"precision = \[(\w+), (\w+)\]", text)) == {(hlo, hlo)}
 
 
-def test_conformance_jit_donation_dtypes_nan_and_inject_hyperparams():
-    """One compile for many donated steps; updates keep each gradient's dtype (bf16
-    and f32 mixed); a NaN gradient gives zeros and leaves the state as it was;
-    inject_hyperparams gives the same updates."""
-    params = {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.ones(2, jnp.float32)}
-    grads = jax.tree.map(lambda p: (0.5 * p).astype(p.dtype), params)
+def test_inject_hyperparams_gives_the_same_updates_in_float64():
+    """Under this file's float64 mode, inject_hyperparams gives the plain
+    updates to 1e-6. (One compile for many donated steps, update and state
+    dtypes with bf16 and f32 mixed, the non-finite-gradient skip,
+    inject_hyperparams in float32: test_optax_contract.py's table.)"""
     optimizer = lra(learning_rate=0.1)
-    traces = []
-
-    def update(grads, state):
-        traces.append(1)
-        return optimizer.update(grads, state, params)
-
-    update = jax.jit(update, donate_argnums=1)
-    state = optimizer.init(params)
-    for _ in range(3):
-        updates, state = update(grads, state)
-    assert len(traces) == 1
-    assert {k: u.dtype for k, u in updates.items()} == {
-        "w": jnp.bfloat16,
-        "b": jnp.float32,
-    }
-    before = jax.tree.map(np.asarray, state)
-    bad = {**grads, "b": grads["b"].at[0].set(jnp.nan)}
-    updates, state = update(bad, state)
-    assert all(np.all(np.asarray(u) == 0) for u in updates.values())
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state), before)
-
-    # Float32 here: with bf16 momentum, an injected (float32 array) b1 rounds
-    # differently from a Python float.
     params = grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
     injected = optax.inject_hyperparams(lra, static_args=LRA_STATIC_ARGS)(
         learning_rate=0.1

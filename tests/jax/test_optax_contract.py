@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -70,6 +71,18 @@ class Row:
     # True: complex parameters train (a row of test_complex.CONVERGENCE);
     # False: init refuses them, naming the parameter.
     complex_params: bool = True
+    # The training properties (convergence, compiles, MultiSteps, dtypes,
+    # non-finite gradients): the arguments besides learning_rate, those added
+    # in whitening (gradient-only) mode, and the rates each sweep tries.
+    train: dict = dataclasses.field(default_factory=dict)
+    whitening: dict = dataclasses.field(default_factory=dict)
+    # psgd-jax's Newton mode: update takes Hvp, vector and update_preconditioner.
+    newton: bool = False
+    # The curvature of the ill-conditioned quadratic (see _quadratic) that the
+    # preconditioner can represent.
+    structure: str = "kronecker"
+    learning_rates: tuple = (1.0, 0.3, 0.1, 0.03)
+    rosenbrock_rates: tuple = (0.1, 0.03, 0.01)  # Newton mode: NEWTON_ROSENBROCK_RATES
 
 
 def _kron(style: str) -> Row:
@@ -78,7 +91,45 @@ def _kron(style: str) -> Row:
         preconditioner_update_style=style,
         preconditioner_update_probability=0.5,
     )
-    return Row(pj.kron, kwargs, pj.KRON_STATIC_ARGS)
+    return Row(
+        pj.kron,
+        kwargs,
+        pj.KRON_STATIC_ARGS,
+        train=dict(preconditioner_update_style=style),
+        # Whitening fits every step; Newton mode on hessian_helper's draws.
+        whitening=dict(preconditioner_update_probability=1.0),
+        newton=True,
+    )
+
+
+def _scale_by_shampoo_chain(learning_rate, **kwargs) -> optax.GradientTransformation:
+    """scale_by_shampoo's direction chained with the learning rate, as the README
+    composes it (distributed_shampoo is the same chain under one name)."""
+    return optax.chain(
+        pj.scale_by_shampoo(**kwargs), optax.scale_by_learning_rate(learning_rate)
+    )
+
+
+# Its signature is learning_rate and scale_by_shampoo's (inject_hyperparams
+# reads it to tell static arguments from traced ones).
+_scale_by_shampoo_chain.__signature__ = inspect.signature(pj.scale_by_shampoo).replace(
+    parameters=[
+        inspect.Parameter("learning_rate", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *inspect.signature(pj.scale_by_shampoo).parameters.values(),
+    ]
+)
+
+
+# Shampoo trains on whole 16×8 blocks from step 1, with RMSProp-normalized
+# grafting (SGD grafting takes SGD's step lengths, which blow up on
+# Rosenbrock's steep valley walls as SGD's do at any rate above 1e-3).
+SHAMPOO_TRAIN = dict(
+    block_size=128,
+    start_preconditioning_step=1,
+    graft_type=pj.GraftingType.RMSPROP_NORMALIZED,
+)
+# 0.03 first: the deterministic sweep stops at the first rate that converges.
+SHAMPOO_RATES = (0.03, 1.0, 0.1, 0.01)
 
 
 # name ↦ row: every public JAX optimizer of precond.jax. A new optimizer is one
@@ -87,14 +138,25 @@ OPTIMIZERS: dict[str, Row] = {
     "kron-EQ": _kron("EQ"),
     "kron-QUAD": _kron("QUAD"),
     "kron-PRO": _kron("PRO"),
-    "xmat": Row(pj.xmat, dict(learning_rate=0.05)),
-    "lra": Row(pj.low_rank_approximation, dict(learning_rate=0.05), pj.LRA_STATIC_ARGS),
-    "affine": Row(pj.affine, dict(learning_rate=0.05), pj.AFFINE_STATIC_ARGS),
+    "xmat": Row(pj.xmat, dict(learning_rate=0.05), newton=True, structure="x"),
+    "lra": Row(
+        pj.low_rank_approximation,
+        dict(learning_rate=0.05),
+        pj.LRA_STATIC_ARGS,
+        newton=True,
+        structure="low-rank",
+    ),
+    "affine": Row(
+        pj.affine, dict(learning_rate=0.05), pj.AFFINE_STATIC_ARGS, newton=True
+    ),
     "pro": Row(
         pj.pro,
         dict(learning_rate=0.05, block_size=4, preconditioner_update_probability=0.5),
         pj.PRO_STATIC_ARGS,
         complex_params=False,
+        # Its default decoupled weight decay (0.1) pulls towards 0, not towards
+        # Rosenbrock's (1, 1), and applies on skipped steps too.
+        train=dict(weight_decay=0.0),
     ),
     "shampoo": Row(
         pj.distributed_shampoo,
@@ -102,6 +164,17 @@ OPTIMIZERS: dict[str, Row] = {
         pj.SHAMPOO_STATIC_ARGS,
         params_fields=("momentum", "diagonal_momentum", "diagonal_statistics"),
         complex_params=False,
+        train=SHAMPOO_TRAIN,
+        learning_rates=SHAMPOO_RATES,
+    ),
+    "scale_by_shampoo": Row(
+        _scale_by_shampoo_chain,
+        dict(learning_rate=0.05, block_size=4, start_preconditioning_step=2),
+        pj.SCALE_BY_SHAMPOO_STATIC_ARGS,
+        params_fields=("momentum", "diagonal_momentum", "diagonal_statistics"),
+        complex_params=False,
+        train=SHAMPOO_TRAIN,
+        learning_rates=SHAMPOO_RATES,
     ),
 }
 NAMES = sorted(OPTIMIZERS)
@@ -630,3 +703,463 @@ def test_complex_parameters_train_or_are_refused_at_init(name):
             TypeError, match=r"does not support complex parameters: parameter \['z'\]"
         ):
             _make(name).init(params)
+
+
+# ------------------------------------------------------------------ training
+#
+# The properties of a trained optimizer, on each row's ``train`` arguments, in
+# whitening mode (gradients only) and, for the rows with psgd-jax's Newton mode,
+# with a Hessian-vector product.
+
+NEWTON_ROSENBROCK_RATES = (1.0, 0.3, 0.1)
+
+
+def _case(name: str, newton: bool):
+    mode = "hvp" if newton else "whitening"
+    marks = ()
+    if newton and not OPTIMIZERS[name].newton:
+        marks = pytest.mark.skip(
+            reason=f"{name} has no Hessian-vector-product mode (no Hvp argument)"
+        )
+    return pytest.param(name, newton, id=f"{name}-{mode}", marks=marks)
+
+
+CASES = [_case(name, newton) for name in NAMES for newton in (False, True)]
+NEWTON_CASES = [_case(name, True) for name in NAMES]
+
+
+def _train_make(name, newton, learning_rate, **kwargs):
+    row = OPTIMIZERS[name]
+    mode = {} if newton else row.whitening
+    return row.factory(learning_rate=learning_rate, **{**row.train, **mode, **kwargs})
+
+
+def _step_fn(name, newton, optimizer, loss):
+    """One training step (params, state, key) ↦ (params, state), in either mode
+    (``name`` labels the optimizer only)."""
+    del name
+
+    def step(params, state, key):
+        if newton:
+            # Every step fits the preconditioner, as psgd-jax's default.
+            _, grads, hvp, vector, flag = pj.hessian_helper(key, loss, params)
+            updates, state = optimizer.update(
+                grads,
+                state,
+                params,
+                Hvp=hvp,
+                vector=vector,
+                update_preconditioner=flag,
+            )
+        else:
+            updates, state = optimizer.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _trainer(name, newton, make_optimizer, loss, steps, seed=0):
+    """A jitted (params, learning rate) ↦ (params, losses) after ``steps`` steps of
+    ``make_optimizer(learning rate)``: the rate is traced, so one compile serves a
+    whole learning-rate sweep."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), steps)
+
+    def run(params, learning_rate):
+        optimizer = make_optimizer(learning_rate)
+        step = _step_fn(name, newton, optimizer, loss)
+
+        def body(carry, key):
+            params, state = carry
+            params, state = step(params, state, key)
+            return (params, state), loss(params)
+
+        (params, _), losses = jax.lax.scan(body, (params, optimizer.init(params)), keys)
+        return params, losses
+
+    return jax.jit(run)
+
+
+def _train(name, newton, optimizer, loss, params, steps, seed=0):
+    """Params and losses after ``steps`` steps of ``optimizer`` (also used by
+    test_shampoo_optimizer.py for its variants)."""
+    return _trainer(name, newton, lambda _: optimizer, loss, steps, seed)(params, 0.0)
+
+
+def _cosine_trainer(name, newton, loss, steps, **kwargs):
+    """``_trainer`` of the row with a cosine decay from the rate over steps."""
+
+    def make_optimizer(learning_rate):
+        schedule = optax.cosine_decay_schedule(learning_rate, steps)
+        return _train_make(name, newton, schedule, **kwargs)
+
+    return _trainer(name, newton, make_optimizer, loss, steps)
+
+
+def _spd(rng, d, condition):
+    """A rotated SPD matrix with eigenvalues log-spaced from 1 to 1/condition."""
+    basis, _ = np.linalg.qr(rng.normal(size=(d, d)))
+    return basis @ np.diag(np.logspace(0, -np.log10(condition), d)) @ basis.T
+
+
+def _quadratic(structure):
+    """L(x) = ½ xᵀHx on x of shape (16, 8), with an ill-conditioned H that is not
+    axis-aligned (so a diagonal method such as Adam cannot undo it) and that the
+    optimizer's preconditioner can represent:
+
+    * 'kronecker' (Kron, Affine, PRO, Shampoo): H = A ⊗ B, A 16×16 (condition
+      1e3) and B 8×8 (1e2), both rotated: L = ½ tr(Xᵀ A X B).
+    * 'x' (XMat): H = Q_HᵀQ_H with Q_H = diag(a) + antidiag(b) over the 128
+      flattened entries, condition ≈ 1e4.
+    * 'low-rank' (LRA): H = D + W·S·Wᵀ, D diagonal in [0.01, 0.1] and 5 random
+      directions W with curvature 1 to 100.
+    """
+    rng = np.random.default_rng(0)
+    n = 128
+    if structure == "kronecker":
+        H = np.kron(_spd(rng, 16, 1e3), _spd(rng, 8, 1e2))
+    elif structure == "x":
+        a = np.logspace(0, -2, n)[rng.permutation(n)]
+        # Each pair (i, n−1−i) couples through b; det = a_i·a_j·(1 − 0.81·s_i·s_j).
+        b = 0.9 * a[::-1] * rng.choice([-1, 1], n)
+        Q = np.diag(a) + np.fliplr(np.diag(b[::-1]))
+        H = Q.T @ Q
+    else:
+        assert structure == "low-rank"
+        W, _ = np.linalg.qr(rng.normal(size=(n, 5)))
+        H = np.diag(rng.uniform(0.01, 0.1, n)) + W @ np.diag(np.logspace(0, 2, 5)) @ W.T
+    noise_root = jnp.asarray(np.linalg.cholesky(H), jnp.float32)
+    H = jnp.asarray(H, jnp.float32)
+    x0 = {"x": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)}
+
+    def loss(params):
+        x = params["x"].ravel()
+        return 0.5 * x @ (H @ x)
+
+    def noisy_loss(params, key):
+        """A loss whose gradient is Hx + 0.1·Lz (z ~ N(0, I), LLᵀ = H): the noise
+        has the curvature's covariance, as minibatch noise roughly does."""
+        noise = 0.1 * noise_root @ jax.random.normal(key, (n,))
+        return loss(params) + jnp.dot(jax.lax.stop_gradient(noise), params["x"].ravel())
+
+    return loss, noisy_loss, x0
+
+
+ADAM_LEARNING_RATES = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003)
+NOISY_STEPS, WINDOW = 300, 50
+
+
+def _noisy_run(name, newton, make_optimizer, structure):
+    """A jitted learning rate ↦ mean exact loss over the last 50 of 300 steps of
+    ``make_optimizer(learning rate)`` on noisy gradients (one compile per sweep)."""
+    loss, noisy_loss, x0 = _quadratic(structure)
+    keys = jax.random.split(jax.random.PRNGKey(1), NOISY_STEPS)
+    noise_keys = jax.random.split(jax.random.PRNGKey(2), NOISY_STEPS)
+
+    def run(learning_rate):
+        optimizer = make_optimizer(learning_rate)
+
+        def body(carry, inputs):
+            params, state = carry
+            step_key, noise_key = inputs
+            noisy = lambda p: noisy_loss(p, noise_key)  # noqa: E731
+            step = _step_fn(name, newton, optimizer, noisy)
+            params, state = step(params, state, step_key)
+            return (params, state), loss(params)
+
+        init = (x0, optimizer.init(x0))
+        _, losses = jax.lax.scan(body, init, (keys, noise_keys))
+        return jnp.mean(losses[-WINDOW:])
+
+    return jax.jit(run)
+
+
+@functools.cache
+def _adam_noisy_loss(structure):
+    run = _noisy_run("adam", False, optax.adam, structure)
+    return min(float(run(lr)) for lr in ADAM_LEARNING_RATES)
+
+
+@pytest.mark.parametrize(("name", "newton"), CASES)
+def test_beats_adam_on_noisy_ill_conditioned_quadratic(name, newton):
+    """Best of a learning-rate sweep (cosine decay) against Adam's best of a wider
+    sweep, at equal steps: the preconditioner captures the rotated curvature that
+    Adam's diagonal cannot."""
+    row = OPTIMIZERS[name]
+    loss, _, x0 = _quadratic(row.structure)
+    run = _noisy_run(
+        name,
+        newton,
+        lambda lr: _train_make(
+            name, newton, optax.cosine_decay_schedule(lr, NOISY_STEPS)
+        ),
+        row.structure,
+    )
+    finals = {lr: float(run(lr)) for lr in row.learning_rates}
+    best, adam = min(finals.values()), _adam_noisy_loss(row.structure)
+    assert best < float(loss(x0)) / 50, finals
+    assert best < adam, (finals, adam)
+
+
+@pytest.mark.parametrize(("name", "newton"), CASES)
+def test_converges_on_deterministic_ill_conditioned_quadratic(name, newton):
+    """1e-4 of the initial loss within 2000 steps, for one rate of the sweep."""
+    row = OPTIMIZERS[name]
+    loss, _, x0 = _quadratic(row.structure)
+    train, finals = _cosine_trainer(name, newton, loss, 2000), {}
+    for lr in row.learning_rates:
+        finals[lr] = float(train(x0, lr)[1][-1])
+        if finals[lr] < 1e-4 * float(loss(x0)):
+            return
+    pytest.fail(f"no learning rate reached 1e-4 of the initial loss: {finals}")
+
+
+@pytest.mark.parametrize(("name", "newton"), CASES)
+def test_converges_on_rosenbrock(name, newton):
+    """Within 1e-3 of (1, 1) from (−1.5, 2) in 2000 steps, for one rate of a
+    sweep: Newton-mode steps are unit-scale (P ≈ |H|⁻¹), whitening steps smaller.
+
+    The point is a (2, 1) column, so that Kron fits a full 2×2 factor as the
+    flattening optimizers do (a 1-D point gets a diagonal Kron factor: in
+    Newton mode that crawls along the curved valley, about (0.8, 0.7) here).
+    """
+
+    def rosenbrock(params):
+        x, y = params["xy"][:, 0]
+        return (1 - x) ** 2 + 100 * (y - x**2) ** 2
+
+    params = {"xy": jnp.array([[-1.5], [2.0]])}
+    train, ends = _cosine_trainer(name, newton, rosenbrock, 2000), {}
+    rates = NEWTON_ROSENBROCK_RATES if newton else OPTIMIZERS[name].rosenbrock_rates
+    for lr in rates:
+        params_out, _ = train(params, lr)
+        ends[lr] = params_out["xy"][:, 0].tolist()
+        if np.allclose(params_out["xy"], 1.0, atol=1e-3):
+            return
+    pytest.fail(f"{name} did not reach (1, 1): {ends}")
+
+
+STEP_PARAMS = {"w": jnp.ones((6, 5)), "b": jnp.zeros(5), "conv": jnp.ones((3, 2, 2, 2))}
+
+
+def _gradients(params, step):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(step), len(leaves))
+    return treedef.unflatten(
+        [jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)]
+    )
+
+
+def _newton_args(params, step, newton):
+    """Hvp (of H = 2I + a ramp along the last axis), vector and flag; nothing in
+    whitening mode."""
+    if not newton:
+        return {}
+    vector = _gradients(params, 1000 + step)
+    hvp = jax.tree.map(lambda v: 2 * v + 0.1 * jnp.cumsum(v, axis=-1), vector)
+    return dict(Hvp=hvp, vector=vector, update_preconditioner=jnp.asarray(True))
+
+
+@pytest.mark.parametrize(("name", "newton"), CASES)
+def test_one_compile_for_many_donated_steps(name, newton):
+    """The state donated, as training loops do (no two leaves may share a
+    buffer): three steps, one trace."""
+    optimizer = _train_make(name, newton, 0.01)
+    traces = []
+
+    def update(grads, state, extra):
+        traces.append(1)
+        return optimizer.update(grads, state, STEP_PARAMS, **extra)
+
+    update = jax.jit(update, donate_argnums=1)
+    state = optimizer.init(STEP_PARAMS)
+    for step in range(3):
+        _, state = update(
+            _gradients(STEP_PARAMS, step),
+            state,
+            _newton_args(STEP_PARAMS, step, newton),
+        )
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize(("name", "newton"), NEWTON_CASES)
+def test_inject_hyperparams_gives_same_updates_in_newton_mode(name, newton):
+    """Whitening mode under inject_hyperparams:
+    test_inject_hyperparams_keeps_the_state_and_the_updates."""
+    row = OPTIMIZERS[name]
+    kwargs = dict(learning_rate=3e-3, b1=0.9, weight_decay=0.01)
+    kwargs.update(row.train)
+    factory = optax.inject_hyperparams(row.factory, static_args=row.static_args)
+    plain, injected = row.factory(**kwargs), factory(**kwargs)
+    states = [plain.init(STEP_PARAMS), injected.init(STEP_PARAMS)]
+    updates = [jax.jit(plain.update), jax.jit(injected.update)]
+    for step in range(4):
+        grads = _gradients(STEP_PARAMS, step)
+        extra = _newton_args(STEP_PARAMS, step, newton)
+        want, states[0] = updates[0](grads, states[0], STEP_PARAMS, **extra)
+        got, states[1] = updates[1](grads, states[1], STEP_PARAMS, **extra)
+        # Hyperparameters arrive as float32 arrays instead of Python floats: an
+        # ulp here and there, amplified by cancellation in small entries.
+        jax.tree.map(
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8),
+            got,
+            want,
+        )
+
+
+@pytest.mark.parametrize(("name", "newton"), CASES)
+def test_multisteps_equals_one_step_on_the_mean_gradient(name, newton):
+    """MultiSteps(k=2) emits, on its second call, the update of the mean gradient
+    (with the Newton arguments of that call) and zeros on the first."""
+    micro = [_gradients(STEP_PARAMS, 0), _gradients(STEP_PARAMS, 1)]
+    extra = _newton_args(STEP_PARAMS, 1, newton)
+    accumulated = optax.MultiSteps(_train_make(name, newton, 0.01), every_k_schedule=2)
+    state = accumulated.init(STEP_PARAMS)
+    update = jax.jit(accumulated.update)
+    first, state = update(micro[0], state, STEP_PARAMS, **extra)
+    for leaf in jax.tree.leaves(first):
+        np.testing.assert_array_equal(leaf, 0.0)
+    second, _ = update(micro[1], state, STEP_PARAMS, **extra)
+    direct = _train_make(name, newton, 0.01)
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, *micro)
+    want, _ = jax.jit(direct.update)(
+        mean, direct.init(STEP_PARAMS), STEP_PARAMS, **extra
+    )
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+        second,
+        want,
+    )
+
+
+@pytest.mark.parametrize(("name", "newton"), CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_update_and_state_dtypes_are_stable(name, newton, dtype):
+    params = {
+        "w": jnp.ones((6, 5), dtype),
+        "b": jnp.zeros(5, jnp.float32),  # mixed with the other dtype
+    }
+    optimizer = _train_make(name, newton, 0.01)
+    state = optimizer.init(params)
+    before = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+    update = jax.jit(optimizer.update)
+    for step in range(3):
+        grads = _gradients(params, step)
+        updates, state = update(
+            grads, state, params, **_newton_args(params, step, newton)
+        )
+        assert jax.tree.map(lambda u: u.dtype, updates) == jax.tree.map(
+            lambda g: g.dtype, grads
+        )
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == before
+
+
+@pytest.mark.parametrize(("name", "newton"), CASES)
+def test_non_finite_gradient_skips_the_step(name, newton):
+    """NaN, +Inf or -Inf in one entry: zero update, unchanged state; the next
+    finite step proceeds normally. (One compiled update serves every value.)"""
+    optimizer = _train_make(name, newton, 0.01)
+    update = jax.jit(optimizer.update)
+    _, state = update(
+        _gradients(STEP_PARAMS, 0),
+        optimizer.init(STEP_PARAMS),
+        STEP_PARAMS,
+        **_newton_args(STEP_PARAMS, 0, newton),
+    )
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        grads = _gradients(STEP_PARAMS, 1)
+        grads["w"] = grads["w"].at[2, 3].set(bad)
+        updates, new_state = update(
+            grads, state, STEP_PARAMS, **_newton_args(STEP_PARAMS, 1, newton)
+        )
+        for leaf in jax.tree.leaves(updates):
+            np.testing.assert_array_equal(leaf, 0.0, err_msg=str(bad))
+        jax.tree.map(np.testing.assert_array_equal, new_state, state)
+        _, after = update(
+            _gradients(STEP_PARAMS, 2),
+            new_state,
+            STEP_PARAMS,
+            **_newton_args(STEP_PARAMS, 2, newton),
+        )
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after)), bad
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_round_trip_continues_bit_identically(name, tmp_path):
+    """The state after two steps, saved with orbax and restored into the
+    abstract state of a fresh init (jax.eval_shape), continues with the
+    trajectory's third step bit for bit (every variant, from every step:
+    test_checkpoints.py)."""
+    run = _trajectory(name)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "state", run.states[2])
+    checkpointer.wait_until_finished()
+    abstract = jax.eval_shape(_make(name).init, PARAMS)
+    restored = checkpointer.restore(tmp_path / "state", abstract)
+    assert jax.tree.structure(restored) == jax.tree.structure(run.states[2])
+    updates, state = run.update(GRADS[2], restored, PARAMS, **EXTRA)
+    _assert_trees_equal(updates, run.updates[2])
+    _assert_trees_equal(state, run.states[3])
+    assert len(run.traces) == 1
+
+
+# ------------------------------------------------------------ psgd-jax's arguments
+
+# Arguments XMat, LRA and Affine share (psgd-jax's), each with a bad value, the
+# error type and the start of its message. (Every optimizer's own: its file.)
+PSGD_JAX = ["xmat", "lra", "affine"]
+SHARED_BAD_ARGUMENTS = [
+    (dict(nesterov="no"), TypeError, "Invalid nesterov='no': must be True or False"),
+    (dict(nesterov=1), TypeError, "Invalid nesterov=1: must be True or False"),
+    (dict(seed="abc"), TypeError, "Invalid seed='abc': must be None, a PRNG key"),
+    (dict(seed=1.5), TypeError, "Invalid seed=1.5"),
+    (dict(seed=np.zeros(3, np.uint32)), TypeError, "Invalid seed=array"),
+    (dict(mu_dtype=jnp.int32), ValueError, "must be a floating dtype"),
+    (dict(mu_dtype="no dtype"), ValueError, "Invalid mu_dtype='no dtype'"),
+    (dict(b1=1.0), ValueError, "Invalid b1=1.0: must be in [0.0, 1.0)"),
+    (dict(precond_lr=0.0), ValueError, "Invalid precond_lr=0.0: must be > 0.0"),
+    (dict(preconditioner_update_probability=1.5), ValueError, "Invalid prec"),
+    (dict(update_global_norm_clip=-1.0), ValueError, "Invalid update_global_no"),
+    (dict(precond_init_scale=0.0), ValueError, "Invalid precond_init_scale=0.0"),
+    (dict(step_normalizer_order="3rd"), ValueError, "Invalid step_normalizer_o"),
+    (dict(precision="fast"), ValueError, "Invalid precision='fast'"),
+]
+
+
+@pytest.mark.parametrize("name", PSGD_JAX)
+def test_shared_arguments_are_checked_at_construction(name):
+    for kwargs, error, message in SHARED_BAD_ARGUMENTS:
+        with pytest.raises(error, match=re.escape(message)):
+            OPTIMIZERS[name].factory(**kwargs)
+
+
+@pytest.mark.parametrize("name", PSGD_JAX)
+def test_every_seed_form_psgd_jax_accepts_works(name):
+    """None (psgd-jax's PRNGKey(36)), a raw or typed PRNG key, or an int n
+    (PRNGKey(n)): the int and its raw key give the same state."""
+    params = {"w": jnp.ones((3, 2))}
+    states = {
+        repr(seed): OPTIMIZERS[name].factory(seed=seed).init(params)
+        for seed in (None, 7, jax.random.PRNGKey(7), jax.random.key(7))
+    }
+    int_state, key_state = states["7"], states[repr(jax.random.PRNGKey(7))]
+    jax.tree.map(np.testing.assert_array_equal, int_state, key_state)
+
+
+def test_every_psgd_jax_argument_has_a_check():
+    """Each variant's scale_by_* arguments are exactly the shared table's plus
+    its own table's: none goes unchecked."""
+    from precond.jax._psgd_transform import PSGD_ARGUMENT_CHECKS
+    from precond.jax.affine import AFFINE_ARGUMENT_CHECKS
+    from precond.jax.lra import LRA_ARGUMENT_CHECKS
+
+    own = {
+        pj.scale_by_xmat: {},
+        pj.scale_by_lra: LRA_ARGUMENT_CHECKS,
+        pj.scale_by_affine: AFFINE_ARGUMENT_CHECKS,
+    }
+    for transform, checks in own.items():
+        arguments = set(inspect.signature(transform).parameters)
+        assert arguments == set(PSGD_ARGUMENT_CHECKS) | set(checks), transform

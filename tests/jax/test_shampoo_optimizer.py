@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import precond.jax as pj
 from precond.jax import shampoo
 from tests.jax.helpers import float64
-from tests.jax.test_psgd_conformance import (
+from tests.jax.test_optax_contract import (
     NOISY_STEPS,
     _adam_noisy_loss,
     _noisy_run,
