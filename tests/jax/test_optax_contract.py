@@ -33,6 +33,16 @@ check them), each against an oracle:
   least-squares problem converges to its imaginary optimum) or is refused at
   ``init`` with an error naming the parameter.
 
+* training (the rows' ``train`` arguments; whitening mode, and Newton mode
+  with a Hessian-vector product where the row has one, a skipped cell where
+  not): beats optax.adam on a noisy ill-conditioned quadratic, converges on
+  a deterministic one and on Rosenbrock, one compile for many donated steps,
+  inject_hyperparams in Newton mode, ``optax.MultiSteps`` equals one step on
+  the mean gradient, update and state dtypes (bfloat16 next to float32), a
+  NaN/±Inf gradient skips the step.
+* checkpoints: an orbax round trip of the state continues bit for bit.
+* psgd-jax's shared arguments (XMat, LRA, Affine): checked, every seed form.
+
 Tests share compiled programs: per row, one jitted update and its five-step
 trajectory (:func:`_trajectory`), one scan (:func:`_scanned`) and one wrapped
 step (:func:`_wrapped_step`).
