@@ -10,6 +10,113 @@ triangular or diagonal factor Q_i per axis, fitted online so that P·m̂ is whit
 over it: ``_kron_config`` (the config and the plan of a tree), ``_kron_state``
 (the state and ``init``) and ``_kron_step`` (``update``), on the shared plan of
 :mod:`precond._common.kron_plan` and the kernels of ``_kron_math``.
+
+Arguments (of ``scale_by_kron``; ``kron`` adds ``learning_rate``,
+``weight_decay`` and ``weight_decay_mask``, documented on it):
+
+    b1: momentum decay β₁ in [0, 1); 0 keeps no momentum.
+    preconditioner_update_probability: probability in [0, 1] of updating the
+        preconditioner, or a schedule n ↦ p (default
+        :func:`precond_update_prob_schedule`).
+    max_size_triangular: axes longer than this get diagonal factors.
+    min_ndim_triangular: tensors with fewer dims get only diagonal factors.
+    memory_save_mode: None, 'one_diag' (largest axis diagonal) or 'all_diag'.
+    momentum_into_precond_update: fit the preconditioner to m̂ (True) or to the
+        raw gradient (False).
+    preconditioner_lr: step size η of the factor updates.
+    preconditioner_init_scale: initial P = s·I (each of k factors s^{1/k}·I).
+    mu_dtype: momentum dtype (default: the gradient's; its complex
+        counterpart for complex parameters).
+    precond_dtype: storage dtype of the factors (default float32). The
+        factors are updated and applied in at least float32, so bfloat16
+        halves their memory; prefer a generation-2 style with it. Complex
+        parameters' factors use its complex counterpart (complex64 for
+        float32 and bfloat16, which has no complex type; complex128 for
+        float64).
+    precond_update_precision: matmul precision of factor updates.
+    precond_grads_precision: matmul precision of applying the preconditioner.
+    scanned_layers: pytree of bools with the structure of the params (or a
+        callable params ↦ such a pytree) marking parameters whose leading axis
+        stacks layers: each layer gets its own factors, fitted under ``vmap``.
+    lax_map_scanned_layers: map over the layers with ``jax.lax.map`` in batches
+        of ``lax_map_batch_size`` instead of one ``vmap``: less memory, slower.
+    lax_map_batch_size: layers per batch with ``lax_map_scanned_layers``.
+    merge_small_dims: precondition each tensor in a merged shape that groups
+        adjacent axes into balanced dims of at most ``target_merged_dim_size``
+        (see :func:`precond._common.factor_plan.merge_dims`): a (64, 32, 3, 3)
+        kernel gets factors of 64 and 288.
+    target_merged_dim_size: largest dim that merging may create.
+    partition_grads_into_blocks: cut axes longer than ``block_size`` into
+        blocks (the last one zero-padded), each with its own factors. Padding
+        is inert: it gets no noise and never changes the real part.
+    block_size: block length along each partitioned axis.
+    params_partition_specs: a PartitionSpec per parameter (a pytree like the
+        params; None entries mean replicated; for flax boxed params, one per
+        box as ``nn.get_partition_spec`` gives). Momentum and updates are
+        kept sharded like their parameter. Without it, specs are read from
+        boxed params (``nn.Partitioned``) or from the params' types on an
+        explicit mesh; when none is known, sharding is left to XLA.
+    preconditioner_partition_spec: PartitionSpec whose mesh axes split the
+        factor state, e.g. ``P('fsdp', None)`` or ``P('fsdp', 'tp')``. Kron
+        keeps the factors of equal-shaped blocks in stacks and splits each
+        stack along its leading (unit) axis over all the axes named here
+        (padding it with empty units to a multiple of their size), so each
+        device holds and fits whole factors of 1/N of the blocks and the
+        kernels never communicate. Default: every mesh axis that shards a
+        parameter. Use ``partition_grads_into_blocks`` so that large layers
+        give many units to spread.
+    mesh: the mesh that the partition specs refer to. Default: the context
+        mesh (``with jax.set_mesh(mesh):``) or, on an explicit mesh, the one
+        in the params' types.
+    preconditioner_cache: how each triangular factor keeps P_i = Q_iᵀQ_i for
+        the steps between factor updates. ``'packed'`` (default) stores it in
+        Q_i's unused lower triangle plus one row (d more numbers per d×d
+        factor); ``'dense'`` stores it as its own d×d matrix (twice the factor
+        memory, no unpacking: the fastest steps); None stores Q_i alone, as
+        distributed-kron does, and applies Q_iᵀ(Q_i·) (twice the matmuls).
+    preconditioner_update_style: the factor-update rule. ``'EQ'``
+        (default, as distributed-kron): the generation-1 step of
+        :func:`precond.jax._kron_math.update_factors`, triangular Q with
+        triangular solves. ``'QUAD'`` and ``'PRO'``: generation-2 steps
+        (:func:`precond.jax._kron_math.update_factors_gen2`) that fit P·G̃
+        to unit covariance with matmuls only, the step normalised by a
+        smoothed Lipschitz estimate kept in ``KronState.lipschitz``, and the
+        elementwise damping G̃ = G + (1e-9 + ε·|G|)⊙V; 'QUAD' keeps Q
+        symmetric, 'PRO' keeps a full Q and rotates it toward symmetric with
+        a Procrustes step (its 'packed' cache is stored 'dense'). Balancing
+        and the update schedule are the same for every style.
+    seed: seed of the noise and balancing decisions, which are drawn from
+        ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly,
+        and on any mesh (see :func:`unit_noise`).
+    merge_rule: how ``merge_small_dims`` groups axes. ``'balanced'``
+        (default): :func:`precond._common.factor_plan.merge_dims`, which
+        never merges a tensor into fewer than two dims and makes a merged dim
+        longer than ``max_size_triangular`` diagonal, so small layers keep
+        small factors. ``'distributed_kron'``: distributed-kron's rule
+        (:func:`precond._common.factor_plan.merge_dims_by_loss`), which
+        merges a small matrix into one long triangular axis (a (128, 10)
+        kernel gets a 1280-long one, cut into blocks when blocking).
+    independent_scanned_layers: each layer of a scanned parameter gets its
+        own RMS clip and damping scale, exactly as if it were a separate
+        parameter. Default False, as distributed-kron: one clip and one
+        damping scale mean|m̂| per parameter (over all its layers and blocks).
+    noise_draws: where the random draws of a factor update come from.
+        ``'per_block'`` (default): each unit's noise from its own key (see
+        ``seed``), the same on any mesh. ``'distributed_kron'``: as
+        distributed-kron draws them from ``PRNGKey(seed)`` (its seed is 42,
+        as precond's default): one normal array per parameter in its layout
+        and its balancing decision, so the same seed gives its trajectory.
+    block_padding: ``'inert'`` (default): blocking pads only the edge blocks
+        of cut axes, and the padding never changes the real part (see
+        ``partition_grads_into_blocks``). ``'distributed_kron'``: as
+        distributed-kron, every axis is padded up to a multiple of
+        ``block_size`` (a 10-long axis gets a 256×256 factor) and the padding
+        is fitted with noise, counts in the balancing norms and dilutes the
+        damping scale, which changes the real part.
+    **kwargs: ``kron``'s own arguments (``learning_rate``,
+        ``weight_decay``, ``weight_decay_mask``) are accepted and ignored,
+        so one dict of arguments serves both (as in distributed-kron);
+        any other name is a TypeError.
 """
 
 from __future__ import annotations
@@ -127,110 +234,7 @@ def scale_by_kron(
     counts) is returned unchanged, so one bad batch never corrupts the
     preconditioner.
 
-    Args:
-        b1: momentum decay β₁ in [0, 1); 0 keeps no momentum.
-        preconditioner_update_probability: probability in [0, 1] of updating the
-            preconditioner, or a schedule n ↦ p (default
-            :func:`precond_update_prob_schedule`).
-        max_size_triangular: axes longer than this get diagonal factors.
-        min_ndim_triangular: tensors with fewer dims get only diagonal factors.
-        memory_save_mode: None, 'one_diag' (largest axis diagonal) or 'all_diag'.
-        momentum_into_precond_update: fit the preconditioner to m̂ (True) or to the
-            raw gradient (False).
-        preconditioner_lr: step size η of the factor updates.
-        preconditioner_init_scale: initial P = s·I (each of k factors s^{1/k}·I).
-        mu_dtype: momentum dtype (default: the gradient's; its complex
-            counterpart for complex parameters).
-        precond_dtype: storage dtype of the factors (default float32). The
-            factors are updated and applied in at least float32, so bfloat16
-            halves their memory; prefer a generation-2 style with it. Complex
-            parameters' factors use its complex counterpart (complex64 for
-            float32 and bfloat16, which has no complex type; complex128 for
-            float64).
-        precond_update_precision: matmul precision of factor updates.
-        precond_grads_precision: matmul precision of applying the preconditioner.
-        scanned_layers: pytree of bools with the structure of the params (or a
-            callable params ↦ such a pytree) marking parameters whose leading axis
-            stacks layers: each layer gets its own factors, fitted under ``vmap``.
-        lax_map_scanned_layers: map over the layers with ``jax.lax.map`` in batches
-            of ``lax_map_batch_size`` instead of one ``vmap``: less memory, slower.
-        lax_map_batch_size: layers per batch with ``lax_map_scanned_layers``.
-        merge_small_dims: precondition each tensor in a merged shape that groups
-            adjacent axes into balanced dims of at most ``target_merged_dim_size``
-            (see :func:`precond._common.factor_plan.merge_dims`): a (64, 32, 3, 3)
-            kernel gets factors of 64 and 288.
-        target_merged_dim_size: largest dim that merging may create.
-        partition_grads_into_blocks: cut axes longer than ``block_size`` into
-            blocks (the last one zero-padded), each with its own factors. Padding
-            is inert: it gets no noise and never changes the real part.
-        block_size: block length along each partitioned axis.
-        params_partition_specs: a PartitionSpec per parameter (a pytree like the
-            params; None entries mean replicated; for flax boxed params, one per
-            box as ``nn.get_partition_spec`` gives). Momentum and updates are
-            kept sharded like their parameter. Without it, specs are read from
-            boxed params (``nn.Partitioned``) or from the params' types on an
-            explicit mesh; when none is known, sharding is left to XLA.
-        preconditioner_partition_spec: PartitionSpec whose mesh axes split the
-            factor state, e.g. ``P('fsdp', None)`` or ``P('fsdp', 'tp')``. Kron
-            keeps the factors of equal-shaped blocks in stacks and splits each
-            stack along its leading (unit) axis over all the axes named here
-            (padding it with empty units to a multiple of their size), so each
-            device holds and fits whole factors of 1/N of the blocks and the
-            kernels never communicate. Default: every mesh axis that shards a
-            parameter. Use ``partition_grads_into_blocks`` so that large layers
-            give many units to spread.
-        mesh: the mesh that the partition specs refer to. Default: the context
-            mesh (``with jax.set_mesh(mesh):``) or, on an explicit mesh, the one
-            in the params' types.
-        preconditioner_cache: how each triangular factor keeps P_i = Q_iᵀQ_i for
-            the steps between factor updates. ``'packed'`` (default) stores it in
-            Q_i's unused lower triangle plus one row (d more numbers per d×d
-            factor); ``'dense'`` stores it as its own d×d matrix (twice the factor
-            memory, no unpacking: the fastest steps); None stores Q_i alone, as
-            distributed-kron does, and applies Q_iᵀ(Q_i·) (twice the matmuls).
-        preconditioner_update_style: the factor-update rule. ``'EQ'``
-            (default, as distributed-kron): the generation-1 step of
-            :func:`precond.jax._kron_math.update_factors`, triangular Q with
-            triangular solves. ``'QUAD'`` and ``'PRO'``: generation-2 steps
-            (:func:`precond.jax._kron_math.update_factors_gen2`) that fit P·G̃
-            to unit covariance with matmuls only, the step normalised by a
-            smoothed Lipschitz estimate kept in ``KronState.lipschitz``, and the
-            elementwise damping G̃ = G + (1e-9 + ε·|G|)⊙V; 'QUAD' keeps Q
-            symmetric, 'PRO' keeps a full Q and rotates it toward symmetric with
-            a Procrustes step (its 'packed' cache is stored 'dense'). Balancing
-            and the update schedule are the same for every style.
-        seed: seed of the noise and balancing decisions, which are drawn from
-            ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly,
-            and on any mesh (see :func:`unit_noise`).
-        merge_rule: how ``merge_small_dims`` groups axes. ``'balanced'``
-            (default): :func:`precond._common.factor_plan.merge_dims`, which
-            never merges a tensor into fewer than two dims and makes a merged dim
-            longer than ``max_size_triangular`` diagonal, so small layers keep
-            small factors. ``'distributed_kron'``: distributed-kron's rule
-            (:func:`precond._common.factor_plan.merge_dims_by_loss`), which
-            merges a small matrix into one long triangular axis (a (128, 10)
-            kernel gets a 1280-long one, cut into blocks when blocking).
-        independent_scanned_layers: each layer of a scanned parameter gets its
-            own RMS clip and damping scale, exactly as if it were a separate
-            parameter. Default False, as distributed-kron: one clip and one
-            damping scale mean|m̂| per parameter (over all its layers and blocks).
-        noise_draws: where the random draws of a factor update come from.
-            ``'per_block'`` (default): each unit's noise from its own key (see
-            ``seed``), the same on any mesh. ``'distributed_kron'``: as
-            distributed-kron draws them from ``PRNGKey(seed)`` (its seed is 42,
-            as precond's default): one normal array per parameter in its layout
-            and its balancing decision, so the same seed gives its trajectory.
-        block_padding: ``'inert'`` (default): blocking pads only the edge blocks
-            of cut axes, and the padding never changes the real part (see
-            ``partition_grads_into_blocks``). ``'distributed_kron'``: as
-            distributed-kron, every axis is padded up to a multiple of
-            ``block_size`` (a 10-long axis gets a 256×256 factor) and the padding
-            is fitted with noise, counts in the balancing norms and dilutes the
-            damping scale, which changes the real part.
-        **kwargs: ``kron``'s own arguments (``learning_rate``,
-            ``weight_decay``, ``weight_decay_mask``) are accepted and ignored,
-            so one dict of arguments serves both (as in distributed-kron);
-            any other name is a TypeError.
+    Its arguments are documented in this module's docstring (``precond.jax.kron``).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose state is a
