@@ -98,7 +98,7 @@ def plan_parameter(shape: tuple[int, ...], config: Config) -> ParameterPlan | No
 class Layout(NamedTuple):
     """Where every statistic of every parameter lives in the stacks."""
 
-    plans: tuple  # per parameter: ParameterPlan or None
+    plans: tuple[ParameterPlan | None, ...]  # per parameter
     keys: tuple[tuple[int, int], ...]  # (n, p) of each stack, sorted
     rows: tuple[int, ...]  # real rows per stack (before padding)
     # per parameter, per entry: (stack index, first row, rows)
@@ -119,11 +119,12 @@ def plan_layout(shapes: list[tuple[int, ...]], config: Config) -> Layout:
     slots = []
     for plan in plans:
         entries = []
-        for g, k in plan.entries if plan is not None else []:
-            group = plan.groups[g]
-            key = (group.block_shape[k], plan.exponent)
-            entries.append((keys.index(key), rows[key], group.count))
-            rows[key] += group.count
+        if plan is not None:
+            for g, k in plan.entries:
+                group = plan.groups[g]
+                key = (group.block_shape[k], plan.exponent)
+                entries.append((keys.index(key), rows[key], group.count))
+                rows[key] += group.count
         slots.append(tuple(entries))
     return Layout(plans, tuple(keys), tuple(rows[k] for k in keys), tuple(slots))
 

@@ -34,7 +34,7 @@ LARGEST_UNSCALED = 2.0**32
 
 def root_dtype() -> jnp.dtype:
     """float64 when JAX's x64 mode is on, else float32: roots need the precision."""
-    return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
 def _matmul(a, b, precision):
@@ -49,6 +49,7 @@ def _matrix_power(x: jax.Array, p: int, precision) -> jax.Array:
             result = square if result is None else _matmul(result, square, precision)
         p >>= 1
         if not p:
+            assert result is not None  # p >= 1 has a set bit
             return result
         square = _matmul(square, square, precision)
 

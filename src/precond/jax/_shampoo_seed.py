@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from precond.jax._shampoo_state import (
     init_state,
     load,
     load_momentum,
+    root_errors,
     store,
     store_momentum,
 )
@@ -96,7 +97,7 @@ def parameter_stats_view(state: ShampooState, params, config: Config):
     diagonal_momenta = flat(state.diagonal_momentum)
     diagonals = flat(state.diagonal_statistics)
     errors = (
-        flat(state.training_metrics.inverse_pth_root_errors)
+        flat(root_errors(state.training_metrics))
         if config.generate_training_metrics
         else [None] * len(leaves)
     )
@@ -104,10 +105,10 @@ def parameter_stats_view(state: ShampooState, params, config: Config):
     for i, p in enumerate(leaves):
         plan = layout.plans[i]
         order = [] if plan is None else _seed_order(plan, layout.slots[i], config)
-        metrics = None
-        if errors[i] is not None:
+        metrics, error = None, errors[i]
+        if error is not None:
             picked = [where for _, _, where in order] or [0]
-            metrics = TrainingMetrics(errors[i][np.asarray(picked)])
+            metrics = TrainingMetrics(error[np.asarray(picked)])
         out.append(
             ParameterStats(
                 diagonal_statistics=diagonals[i],
@@ -123,7 +124,7 @@ def parameter_stats_view(state: ShampooState, params, config: Config):
     return jax.tree.unflatten(treedef, out)
 
 
-def _seed_array(x):
+def _seed_array(x: Any) -> jax.Array | None:
     """A member of the seed's state as a float32 array, or None when absent
     (``None``, ``[]``, ``optax.MaskedNode``). A ``QuantizedValue`` (fields
     ``quantized``, ``diagonal``, ``bucket_size``, ``extract_diagonal``) is
@@ -133,17 +134,22 @@ def _seed_array(x):
     if isinstance(x, list | tuple) and not x:
         return None
     if hasattr(x, "quantized") and hasattr(x, "bucket_size"):
-        values = x.quantized
-        if isinstance(values, list | tuple) and not values:
-            return None
-        values = jnp.asarray(values)
-        if jnp.issubdtype(values.dtype, jnp.floating):
-            return values.astype(jnp.float32)
-        out = values.astype(jnp.float32) * jnp.asarray(x.bucket_size, jnp.float32)
-        if getattr(x, "extract_diagonal", False):
-            out = out + jnp.diag(jnp.asarray(x.diagonal, jnp.float32))
-        return out
+        return _dequantized_seed_value(x)
     return jnp.asarray(x, jnp.float32)
+
+
+def _dequantized_seed_value(x: Any) -> jax.Array | None:
+    """A seed's ``QuantizedValue`` as a float32 array (see :func:`_seed_array`)."""
+    values = x.quantized
+    if isinstance(values, list | tuple) and not values:
+        return None
+    values = jnp.asarray(values)
+    if jnp.issubdtype(values.dtype, jnp.floating):
+        return values.astype(jnp.float32)
+    out = values.astype(jnp.float32) * jnp.asarray(x.bucket_size, jnp.float32)
+    if getattr(x, "extract_diagonal", False):
+        out = out + jnp.diag(jnp.asarray(x.diagonal, jnp.float32))
+    return out
 
 
 def _seed_entries(stats, treedef) -> list:
@@ -187,7 +193,7 @@ def state_from_seed(seed_state, params, config: Config) -> ShampooState:
     template = init_state(params, config, constrain=False)
     flat = treedef.flatten_up_to
     old_errors = (
-        flat(template.training_metrics.inverse_pth_root_errors)
+        flat(root_errors(template.training_metrics))
         if config.generate_training_metrics
         else [None] * len(leaves)
     )
@@ -236,7 +242,7 @@ def state_from_seed(seed_state, params, config: Config) -> ShampooState:
     )
 
 
-def _refuse(name: str, leaf, what: str):
+def _refuse(name: str, leaf, what: str) -> NoReturn:
     raise ValueError(
         f"Invalid seed_state: {name} (shape {tuple(leaf.shape)}) {what}; it does "
         "not fit these distributed_shampoo arguments"
@@ -269,6 +275,8 @@ def _statistic_rows(entry, order, stacks, name: str, leaf) -> list:
     for (stack, row, _), s, r in zip(order, *given, strict=True):
         n = stacks[stack].shape[-1]
         s, r = _seed_array(s), _seed_array(r)
+        if s is None or r is None:
+            _refuse(name, leaf, "has an empty statistic or preconditioner")
         if s.shape != (n, n) or r.shape != (n, n):
             _refuse(
                 name, leaf, f"has a {s.shape} statistic where ({n}, {n}) is expected"

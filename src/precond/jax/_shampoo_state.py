@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,15 @@ class ShampooState(NamedTuple):
     diagonal_statistics: Any  # like params: AdaGrad/RMSProp accumulator, or None
     statistics: tuple  # per (n, p) stack: (K, n, n) gram EMAs
     preconditioners: tuple  # per (n, p) stack: (K, n, n) inverse p-th roots
-    training_metrics: TrainingMetrics
+    # optax.MaskedNode() without generate_training_metrics
+    training_metrics: TrainingMetrics | optax.MaskedNode
+
+
+def root_errors(metrics: TrainingMetrics | optax.MaskedNode) -> Any:
+    """``metrics.inverse_pth_root_errors``, of a state made with
+    ``generate_training_metrics`` (else its metrics are a ``MaskedNode``)."""
+    assert isinstance(metrics, TrainingMetrics)
+    return metrics.inverse_pth_root_errors
 
 
 # ------------------------------------------------------------------ stored arrays
@@ -131,6 +139,10 @@ def with_sharding(x: jax.Array, spec) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
+@overload
+def constrain_stack(x: jax.Array, spec) -> jax.Array: ...
+@overload
+def constrain_stack(x: QuantizedArray, spec) -> QuantizedArray: ...
 def constrain_stack(x, spec):
     """``x`` (a (K, n, n) stack, maybe quantized) constrained to ``spec``."""
     if spec is None:
@@ -181,16 +193,17 @@ def _is_params_placeholder(params) -> bool:
 def _params_placeholder_state(placeholder, config: Config) -> ShampooState:
     """The state's structure with ``placeholder`` where trees like the params
     are, for ``optax.tree.map_params``."""
+    # A tree shaped like a state, not a state: its leaves are not arrays.
     return ShampooState(
-        count=_NotParams(),
+        count=_NotParams(),  # pyright: ignore[reportArgumentType]
         momentum=placeholder,
         diagonal_momentum=placeholder if config.has_diagonal_momentum else _NotParams(),
         diagonal_statistics=(
             placeholder if config.has_diagonal_statistics else _NotParams()
         ),
-        statistics=_NotParams(),
-        preconditioners=_NotParams(),
-        training_metrics=_NotParams(),
+        statistics=_NotParams(),  # pyright: ignore[reportArgumentType]
+        preconditioners=_NotParams(),  # pyright: ignore[reportArgumentType]
+        training_metrics=_NotParams(),  # pyright: ignore[reportArgumentType]
     )
 
 
@@ -294,8 +307,9 @@ def state_partition_specs(
     if isinstance(stack_spec, jax.sharding.NamedSharding):
         stack_spec = stack_spec.spec
     stack_spec = PartitionSpec(*_full(stack_spec, 3))
+    # A tree shaped like a state whose leaves are specs, not arrays.
     return ShampooState(
-        count=PartitionSpec(),
+        count=PartitionSpec(),  # pyright: ignore[reportArgumentType]
         momentum=like_param(shapes.momentum),
         diagonal_momentum=like_param(shapes.diagonal_momentum),
         diagonal_statistics=like_param(shapes.diagonal_statistics),
@@ -307,7 +321,7 @@ def state_partition_specs(
             TrainingMetrics(
                 jax.tree.map(
                     lambda _: PartitionSpec(),
-                    shapes.training_metrics.inverse_pth_root_errors,
+                    root_errors(shapes.training_metrics),
                 )
             )
             if config.generate_training_metrics
@@ -330,7 +344,9 @@ def _buffer_spec(buffer, spec: tuple):
         return PartitionSpec(*spec)
     # Stored with the first axis at position -2 (store_momentum).
     moved = (*spec[1:-1], spec[0], spec[-1]) if len(spec) > 2 else spec
-    return QuantizedArray(PartitionSpec(*moved), PartitionSpec(*spec[1:]), None)
+    # Specs in place of the arrays.
+    values, scales = PartitionSpec(*moved), PartitionSpec(*spec[1:])
+    return QuantizedArray(values, scales, None)  # pyright: ignore[reportArgumentType]
 
 
 def _stack_spec(stack, spec: PartitionSpec):
@@ -339,4 +355,5 @@ def _stack_spec(stack, spec: PartitionSpec):
     if not is_quantized(stack):
         return spec
     rows = PartitionSpec(spec[0], None)
-    return QuantizedArray(spec, rows, None if stack.diagonal is None else rows)
+    diagonal = None if stack.diagonal is None else rows
+    return QuantizedArray(spec, rows, diagonal)  # pyright: ignore[reportArgumentType]  # specs in place of arrays

@@ -47,6 +47,7 @@ from precond.jax._shampoo_state import (
     store,
     store_momentum,
 )
+from precond.jax._step_policy import next_count
 
 # ------------------------------------------------------------ statistics and roots
 
@@ -411,7 +412,7 @@ def shampoo_update(updates, state: ShampooState, params, config: Config):
         jax.tree.unflatten(treedef, column) for column in columns
     )
     new_state = ShampooState(
-        count=optax.safe_int32_increment(state.count),
+        count=next_count(state.count),
         momentum=momenta,
         diagonal_momentum=graft_momenta,
         diagonal_statistics=diagonals,
