@@ -103,7 +103,7 @@ def from_stacks(
     plans: Sequence[TensorPlan],
     stacks: Sequence[StackPlan],
     leads: Sequence[tuple[int, ...]],
-) -> list[jax.Array]:
+) -> list[jax.Array | None]:
     """Inverse of :func:`to_stacks`: per-parameter (*lead, *shape) arrays.
 
     Parameters in no stack (no entries) get None.

@@ -51,8 +51,6 @@ other JAX PSGD modules (XMat, LRA, Affine) import.
 
 from __future__ import annotations
 
-import functools
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -261,8 +259,9 @@ def update_factors(
             integrated out (PSGD Affine); ``V`` is then not used and may be None.
     """
     A = apply_along_axes(Qs, G)
+    B = V
     if noise_grams is None:
-        B = V
+        assert B is not None  # V is used unless noise_grams are given
         for axis, Q in enumerate(Qs):
             B = solve_transposed_along_axis(Q, B, axis)
     first_order = step_normalizer_order == "1st"
@@ -271,6 +270,7 @@ def update_factors(
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(A, axis, diagonal)
         if noise_grams is None:
+            assert B is not None
             T2 = unfold_gram(B, axis, diagonal)
         else:
             T2 = noise_grams[axis]
@@ -365,7 +365,10 @@ def whitening_targets(valid: Sequence[jax.Array], diagonal: Sequence[bool]):
     counts = [jnp.sum(v.astype(jnp.float32)) for v in valid]
     targets = []
     for i, (v, diag) in enumerate(zip(valid, diagonal, strict=True)):
-        c = functools.reduce(operator.mul, counts[:i] + counts[i + 1 :], 1.0)
+        c = 1.0  # ∏_{j≠i} counts[j], multiplied in order
+        for j, count in enumerate(counts):
+            if j != i:
+                c = c * count
         t = c * v.astype(jnp.float32)
         targets.append(t if diag else jnp.diag(t))
     return targets

@@ -140,9 +140,8 @@ def _mesh_from_leaves(leaves: Sequence[Any]) -> Any:
 def _specs_from_leaves(leaves: Sequence[Any]) -> tuple | None:
     """Each leaf's spec from its type, or None if some leaf's type has none."""
     shardings = [_typed_sharding(x) for x in leaves]
-    if any(s is None for s in shardings):
-        return None
-    return tuple(s.spec for s in shardings)
+    specs = tuple(s.spec for s in shardings if s is not None)
+    return specs if len(specs) == len(shardings) else None
 
 
 def _canonical(spec: PartitionSpec) -> PartitionSpec:
@@ -168,14 +167,13 @@ def check_spec(spec: Any, mesh: Any, name: str, ndim: int | None = None) -> None
     if not isinstance(spec, PartitionSpec):
         raise ValueError(f"Invalid {name}={spec!r}: must be a PartitionSpec")
     axes = _mesh_axes(spec)
-    unknown = [
-        axis for axis in axes if mesh is not None and axis not in mesh.axis_names
-    ]
-    if unknown:
-        raise ValueError(
-            f"Invalid {name}={spec}: names mesh axes {unknown} that are not in the "
-            f"mesh, whose axes are {tuple(mesh.axis_names)}"
-        )
+    if mesh is not None:
+        unknown = [axis for axis in axes if axis not in mesh.axis_names]
+        if unknown:
+            raise ValueError(
+                f"Invalid {name}={spec}: names mesh axes {unknown} that are not in "
+                f"the mesh, whose axes are {tuple(mesh.axis_names)}"
+            )
     if len(set(axes)) != len(axes):
         raise ValueError(f"Invalid {name}={spec}: names a mesh axis twice")
     if ndim is not None and len(spec) > ndim:

@@ -432,7 +432,7 @@ def scale_by_psgd(
             params,
             keep_momentum=keep_momentum,
             mu_dtype=mu_dtype,
-            scale=1.0 if auto_scale else precond_init_scale,
+            scale=1.0 if precond_init_scale is None else precond_init_scale,
             seed=seed,
         )
 
@@ -473,4 +473,6 @@ def scale_by_psgd(
             usable, new_state, state
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax's OptState (chex.ArrayTree) admits neither a None leaf (PSGDState.mu
+    # without momentum) nor a state type narrower than any ArrayTree.
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

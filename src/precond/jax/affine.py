@@ -20,7 +20,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +69,10 @@ def matrix_view_shape(shape: Sequence[int]) -> tuple[int, int]:
         (6, 8)
     """
     shape = tuple(int(d) for d in shape)
-    best = None
-    for j in range(len(shape) + 1):
+    best = (1, math.prod(shape))  # j = 0
+    for j in range(1, len(shape) + 1):
         view = (math.prod(shape[:j]), math.prod(shape[j:]))
-        if best is None or view[0] ** 2 + view[1] ** 2 < best[0] ** 2 + best[1] ** 2:
+        if view[0] ** 2 + view[1] ** 2 < best[0] ** 2 + best[1] ** 2:
             best = view
     return best
 
@@ -104,6 +104,7 @@ def permuted_matrix_view(
             view = (math.prod(dims[:j]), math.prod(dims[j:]))
             if view[0] ** 2 + view[1] ** 2 < best_cost:
                 best, best_cost = (permutation, view), view[0] ** 2 + view[1] ** 2
+    assert best is not None  # every cost is finite, so the first one was taken
     return best
 
 
@@ -375,7 +376,8 @@ def _fit_leaf(factors, h, v, lr, first, key, newton, step_normalizer_order):
     # balancing decision.
     if not newton and not integrates_noise_out(factors):
         key, v_key = jax.random.split(key)
-        v = optax.tree.random_like(v_key, h, jax.random.normal)
+        # A tree of one array is that array.
+        v = cast(jax.Array, optax.tree.random_like(v_key, h, jax.random.normal))
         key = jax.random.split(key)[1]
     factors = affine_update(factors, h, v, lr, step_normalizer_order)
     balance = jax.random.uniform(jax.random.split(key)[1]) < BALANCE_PROBABILITY

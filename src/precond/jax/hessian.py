@@ -78,7 +78,7 @@ def _bind_helper_arguments(args: tuple, kwargs: dict) -> dict:
     positional argument is the loss function (psgd-jax's README and precond's
     older form), ``(key, loss_fn, params, ...)`` with an optional ``train_step``
     keyword."""
-    names = list(_HELPER_PARAMETERS)
+    names: list[str] = list(_HELPER_PARAMETERS)
     if len(args) >= 2 and callable(args[1]):
         names.remove("train_step")
     if len(args) > len(names):
@@ -86,7 +86,7 @@ def _bind_helper_arguments(args: tuple, kwargs: dict) -> dict:
             f"hessian_helper() takes at most {len(names)} positional arguments "
             f"({len(args)} given)"
         )
-    bound = dict(zip(names, args, strict=False))
+    bound: dict[str, Any] = dict(zip(names, args, strict=False))
     for name, value in kwargs.items():
         if name not in _HELPER_PARAMETERS:
             raise TypeError(

@@ -40,8 +40,6 @@ its last row.
 
 from __future__ import annotations
 
-import functools
-import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -197,8 +195,9 @@ def update_factors(
             ``V`` is then not used and may be None.
     """
     A = apply_along_axes(Qs, G)
+    B = V
     if noise_grams is None:
-        B = V
+        assert B is not None  # V is used unless noise_grams are given
         for axis, Q in enumerate(Qs):
             B = solve_transposed_along_axis(Q, B, axis)
     first_order = step_normalizer_order == "1st"
@@ -207,6 +206,7 @@ def update_factors(
         diagonal = is_diagonal(Q)
         T1 = unfold_gram(A, axis, diagonal)
         if noise_grams is None:
+            assert B is not None
             T2 = unfold_gram(B, axis, diagonal)
         else:
             T2 = noise_grams[axis]
@@ -303,7 +303,10 @@ def whitening_targets(
     counts = [v.to(torch.float32).sum() for v in valid]
     targets = []
     for i, (v, diag) in enumerate(zip(valid, diagonal, strict=True)):
-        c = functools.reduce(operator.mul, counts[:i] + counts[i + 1 :], 1.0)
+        c = 1.0  # ∏_{j≠i} counts[j], multiplied in order
+        for j, count in enumerate(counts):
+            if j != i:
+                c = c * count
         t = c * v.to(torch.float32)
         targets.append(t if diag else torch.diag(t))
     return targets

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -57,7 +57,8 @@ def skipped_for_unusable_gradients(
     """True when some gradient of ``entries`` is unusable
     (:func:`gradients_are_usable`): the step is skipped, its state unchanged, and
     only the decoupled weight decay is applied."""
-    if gradients_are_usable([p.grad for _, p, _ in entries]):
+    grads = [p.grad for _, p, _ in entries]  # entries have gradients
+    if gradients_are_usable(cast("list[torch.Tensor]", grads)):
         return False
     for group, p, _ in entries:
         p.mul_(1 - scalar(group["lr"]) * group["weight_decay"])
