@@ -9,7 +9,7 @@ complex counterpart for complex parameters) and worked on in at least float32.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +41,17 @@ class KronState(NamedTuple):
 
     count: jax.Array  # shape=(), dtype=int32: steps taken (skipped steps not counted)
     mu: optax.Updates | None  # like params, dtype=mu_dtype; None when b1 == 0
-    preconditioners: tuple  # per stack of equal-shaped units (see _kron_layout), a
-    # tuple of factors per axis, each with a leading unit axis: (units, b) diagonal;
-    # triangular by preconditioner_cache: None (units, b, b) Q, 'packed'
-    # (units, b + 1, b) Q with QᵀQ in its lower triangle, 'dense' (units, 2, b, b);
+    # One empty array (here and in lipschitz) in the state of a tree with no arrays.
+    preconditioners: tuple | jax.Array  # per stack of equal-shaped units (see
+    # _kron_layout), a tuple of factors per axis, each with a leading unit axis:
+    # (units, b) diagonal; triangular by preconditioner_cache: None (units, b, b)
+    # Q, 'packed' (units, b + 1, b) Q with QᵀQ in its lower triangle, 'dense'
+    # (units, 2, b, b);
     # dtype precond_dtype, its complex counterpart in stacks of complex parameters
     update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
     # Generation-2 styles only (None for 'EQ'): per stack, per axis, the (units,)
     # float32 Lipschitz estimates L_i of the factor updates.
-    lipschitz: tuple | None = None
+    lipschitz: tuple | jax.Array | None = None
 
 
 def saturating_increment(count: jax.Array) -> jax.Array:
@@ -154,11 +156,12 @@ def partition_specs(
     param_specs = sharding.param_specs
     if param_specs is None:
         param_specs = [PartitionSpec()] * treedef.num_leaves
+    # A tree shaped like a state whose leaves are specs, not arrays.
     return KronState(
-        count=PartitionSpec(),
+        count=PartitionSpec(),  # pyright: ignore[reportArgumentType]
         mu=treedef.unflatten(param_specs) if keep_momentum else None,
         preconditioners=jax.tree.map(lambda _: sharding.stack_spec, factors),
-        update_counter=PartitionSpec(),
+        update_counter=PartitionSpec(),  # pyright: ignore[reportArgumentType]
         lipschitz=(
             jax.tree.map(lambda _: sharding.stack_spec, factors) if lipschitz else None
         ),
@@ -257,4 +260,5 @@ def init(config: KronConfig, params: optax.Params) -> KronState:
     def body(params):
         return _initial_state(config, tree, params)
 
-    return tree.sharding.run(body, state_specs(config, tree), params)
+    # run returns what body returns.
+    return cast(KronState, tree.sharding.run(body, state_specs(config, tree), params))

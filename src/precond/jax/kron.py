@@ -241,8 +241,11 @@ def scale_by_kron(
         :class:`KronState`.
     """
     config = kron_config(locals())  # locals() are the arguments
+    # optax's OptState (chex.ArrayTree) admits neither a None leaf (KronState.mu
+    # without momentum) nor a state type narrower than any ArrayTree.
     return optax.GradientTransformationExtraArgs(
-        partial(init, config), partial(update, config)
+        partial(init, config),  # pyright: ignore[reportArgumentType]
+        partial(update, config),  # pyright: ignore[reportArgumentType]
     )
 
 

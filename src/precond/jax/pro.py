@@ -87,8 +87,9 @@ class ProState(NamedTuple):
 
     count: jax.Array  # [] int32: steps taken
     mu: Any  # momentum like the params, in ``dtype``; None when b1 == 0
-    factors: tuple
-    lipschitz: tuple
+    # Both one placeholder array in the state optax.tree.map_params sees.
+    factors: tuple | jax.Array
+    lipschitz: tuple | jax.Array
     update_counter: jax.Array  # [] int32: steps since the factors were fitted
 
 
@@ -651,14 +652,16 @@ def scale_by_pro(
     for name, value in arguments.items():
         PRO_ARGUMENT_CHECKS[name](name, value)
     recipe = _recipe(arguments)
+    # optax's OptState (chex.ArrayTree) admits no state type narrower than any
+    # ArrayTree.
     return optax.GradientTransformationExtraArgs(
         functools.partial(_init, recipe=recipe),
-        functools.partial(_update, recipe=recipe),
+        functools.partial(_update, recipe=recipe),  # pyright: ignore[reportArgumentType]
     )
 
 
 def pro(
-    learning_rate: float | Callable[[int], float] = 0.001,
+    learning_rate: float | Callable = 0.001,
     lr_style: str | None = "adam",
     b1: float = 0.95,
     weight_decay: float = 0.1,
@@ -690,7 +693,9 @@ def pro(
     """
     for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
         ALIAS_ARGUMENT_CHECKS[name](name, locals()[name])
-    transforms = [scale_by_pro(**arguments_for(scale_by_pro, locals()))]
+    transforms: list[optax.GradientTransformation] = [
+        scale_by_pro(**arguments_for(scale_by_pro, locals()))
+    ]
     if not (isinstance(weight_decay, int | float) and weight_decay <= 0):
         transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
     transforms.append(optax.scale_by_learning_rate(learning_rate))
@@ -720,12 +725,13 @@ def pro_opt_state_partition_specs(params, **pro_kwargs):
     mu = None
     if shapes.mu is not None:
         mu = param_specs or treedef.unflatten([PartitionSpec()] * len(leaves))
+    # A tree shaped like a state whose leaves are specs, not arrays.
     specs = ProState(
-        count=PartitionSpec(),
+        count=PartitionSpec(),  # pyright: ignore[reportArgumentType]
         mu=mu,
         factors=jax.tree.map(stack_spec, shapes.factors),
         lipschitz=jax.tree.map(stack_spec, shapes.lipschitz),
-        update_counter=PartitionSpec(),
+        update_counter=PartitionSpec(),  # pyright: ignore[reportArgumentType]
     )
     weight_decay = pro_kwargs.get("weight_decay", 0.1)
     if is_concrete_number(weight_decay) and weight_decay <= 0:
