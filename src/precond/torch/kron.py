@@ -13,7 +13,7 @@ from __future__ import annotations
 import numbers
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -310,13 +310,13 @@ class Kron(CheckedOptimizer):
         for bucket in buckets(mine, self.state).values():
             self._step_bucket(bucket, updates, draws)
         with record_function("precond/kron/share_updates"):
-            updates = self.strategy.share(
+            shared = self.strategy.share(
                 [p for _, p, _ in entries],
                 owners,
                 [updates.get(i) for _, _, i in entries],
             )
         with record_function("precond/kron/apply_updates"):
-            self._apply(entries, updates)
+            self._apply(entries, shared)
         return loss
 
     def _apply(self, entries, updates) -> None:
@@ -519,13 +519,14 @@ class Kron(CheckedOptimizer):
     def _seeded_randomness(self, bucket, states, factors, mu_hat):
         """(factors, V) of a seeded fit: the factors balanced when the step's
         :func:`balance_draw` is below 0.01, V from :func:`unit_noise`."""
+        seed = cast(int, self.seed)  # draws are None (this path) only with a seed
         step = states[0][STEP]
-        if balance_draw(self.seed, step) < BALANCE_PROBABILITY:
+        if balance_draw(seed, step) < BALANCE_PROBABILITY:
             factors = km.balance_factors(factors)
         shape, dtype, device = mu_hat.shape[1:], mu_hat.dtype, mu_hat.device
         noise = torch.stack(
             [
-                unit_noise(shape, self.seed, step, index, dtype, device)
+                unit_noise(shape, seed, step, index, dtype, device)
                 for _, _, index in bucket
             ]
         )
@@ -547,7 +548,8 @@ def _momentum_step(bucket, states, shape, dtype: torch.dtype) -> torch.Tensor:
         state[STEP] += 1
     grads = [p.grad for _, p, _ in bucket]
     momenta = [s[MOMENTUM] for s in states]
-    torch._foreach_lerp_(
+    # Public torch API that torch's stubs leave out of __all__.
+    torch._foreach_lerp_(  # pyright: ignore[reportPrivateImportUsage]
         momenta,
         [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)],
         1 - b1,
@@ -661,7 +663,9 @@ def _preconditioned(stored_factors, mu_hat, group) -> torch.Tensor:
 
 def _probability(group: dict[str, Any], step: int) -> float:
     """The group's preconditioner update probability at the 1-based ``step``."""
-    probability = group["preconditioner_update_probability"]
+    probability: float | Callable[[int], float] | None = group[
+        "preconditioner_update_probability"
+    ]
     if probability is None:
         probability = _DEFAULT_SCHEDULE
     if callable(probability):
@@ -769,12 +773,15 @@ def _check_parameter(p: torch.Tensor) -> None:
 
 
 def _check_gradient(p: torch.Tensor) -> None:
-    if p.grad.is_sparse:
+    grad = p.grad
+    if grad is None:  # gradient_entries checks only parameters with a gradient
+        return
+    if grad.is_sparse:
         raise RuntimeError(
             "Kron does not support sparse gradients (e.g. nn.Embedding(sparse=True))"
         )
-    if p.grad.is_complex() != p.is_complex():
+    if grad.is_complex() != p.is_complex():
         raise RuntimeError(
-            f"Kron got a gradient of dtype {p.grad.dtype} for a parameter of dtype "
+            f"Kron got a gradient of dtype {grad.dtype} for a parameter of dtype "
             f"{p.dtype}"
         )

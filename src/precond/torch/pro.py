@@ -17,7 +17,7 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,7 +39,8 @@ __all__ = ["Pro"]
 
 
 def _check_gradient(p: torch.Tensor) -> None:
-    if p.grad.is_sparse:
+    # gradient_entries checks only parameters with a gradient.
+    if p.grad is not None and p.grad.is_sparse:
         raise RuntimeError("Pro does not support sparse gradients")
 
 
@@ -264,8 +265,10 @@ class Pro(shared.CheckedOptimizer):
             group["max_size_dense"],
             group["block_size"],
         )
+        # merged is None only for 0-size parameters, which gradient_entries leaves out.
         views = [
-            m.reshape(merged) for m, merged in zip(momenta, plan.merged, strict=True)
+            m.reshape(cast(tuple[int, ...], merged))
+            for m, merged in zip(momenta, plan.merged, strict=True)
         ]
         updates = [torch.empty_like(v) for v in views]
         for stack in plan.stacks:
@@ -438,7 +441,9 @@ def _fit_due(group: dict[str, Any], states: list) -> bool:
     for state in states:
         state[UPDATE_COUNTER] += 1
     step = states[0][STEP]
-    probability = group["preconditioner_update_probability"]
+    probability: float | Callable[[int], float] = group[
+        "preconditioner_update_probability"
+    ]
     if callable(probability):
         probability = probability(step)
     due = step == 1 or states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
