@@ -229,10 +229,8 @@ def scale_by_kron(
 
     Complex parameters: P = ⊗_i Q_iᴴQ_i (Hermitian); see :func:`kron`.
 
-    Non-finite gradients: if any gradient (or Hvp) entry is NaN or ±Inf the whole
-    step is skipped: the returned update is zero and the state (momentum, factors,
-    counts) is returned unchanged, so one bad batch never corrupts the
-    preconditioner.
+    Bad steps: a gradient (or Hvp) with a non-finite squared norm (NaN, ±Inf, or
+    entries from about 1.8e19) skips the step: a zero update, the state unchanged.
 
     Its arguments are documented in this module's docstring (``precond.jax.kron``).
 
