@@ -215,11 +215,8 @@ def scale_by_kron(
        ``preconditioner_update_style``).
     3. U = (⊗_i Q_iᵀQ_i)·m̂ with the updated factors, then U ← U / max(1, RMS(U)/1.1).
 
-    An axis gets a diagonal factor if its size is 1 or exceeds
-    ``max_size_triangular``, if the tensor has fewer than ``min_ndim_triangular``
-    dims, or by ``memory_save_mode`` (see
-    :func:`precond._common.factor_plan.plan_diagonal_axes`); otherwise an
-    upper-triangular one. Scalars are treated as shape (1,).
+    Each axis gets an upper-triangular or a diagonal factor (scalars are shape
+    (1,)): :func:`precond._common.factor_plan.plan_diagonal_axes` has the rule.
 
     Newton mode: ``update(grads, state, params, Hvp=h, vector=v,
     update_preconditioner=flag)`` (all three, e.g. from
@@ -227,16 +224,19 @@ def scale_by_kron(
     (H·v, v) instead, without damping noise, so that P → H⁻¹ in the
     Kronecker-factored sense; ``flag`` replaces the update probability.
 
-    Complex parameters: P = ⊗_i Q_iᴴQ_i (Hermitian); see :func:`kron`.
-
-    Bad steps: a gradient (or Hvp) with a non-finite squared norm (NaN, ±Inf, or
-    entries from about 1.8e19) skips the step: a zero update, the state unchanged.
-
-    Its arguments are documented in this module's docstring (``precond.jax.kron``).
+    Complex parameters: P = ⊗_i Q_iᴴQ_i (Hermitian); see :func:`kron`. Bad steps:
+    a gradient (or Hvp) with a non-finite squared norm (NaN, ±Inf, or entries
+    from about 1.8e19) skips the step: a zero update, the state unchanged.
+    Arguments: this module's docstring (``precond.jax.kron``).
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose state is a
-        :class:`KronState`.
+        :class:`KronState`. Example:
+
+        >>> import jax.numpy as jnp, optax
+        >>> opt = optax.chain(scale_by_kron(), optax.scale_by_learning_rate(3e-4))
+        >>> params = {"w": jnp.zeros((4, 3))}
+        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, opt.init(params))
     """
     config = kron_config(locals())  # locals() are the arguments
     # optax's OptState (chex.ArrayTree) admits neither a None leaf (KronState.mu
@@ -541,7 +541,16 @@ def kron_state_to_distributed_kron(
     arrays shaped (layers?, blocks?, *factor). The inverse of
     :func:`kron_state_from_distributed_kron`; where distributed-kron pads an axis
     up to a multiple of ``block_size``, the padding gets its initial factor
-    (identity times ``preconditioner_init_scale``^{1/k}). Only the 'EQ' style."""
+    (identity times ``preconditioner_init_scale``^{1/k}). Only the 'EQ' style.
+
+    Example (a 4×3 matrix, one 256-wide block per axis as distributed-kron pads it):
+
+        >>> import jax, jax.numpy as jnp
+        >>> params = {"w": jnp.zeros((4, 3))}
+        >>> theirs = kron_state_to_distributed_kron(kron().init(params), params)
+        >>> jax.tree.map(jnp.shape, theirs[0]["Qs_preconditioners"])
+        {'w': [(1, 256, 256), (1, 256, 256)]}
+    """
     kron_state, put_back = _split_chain_state(state)
     config = _core_config(kwargs)
     if config.preconditioner_update_style != "EQ":

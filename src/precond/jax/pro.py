@@ -647,6 +647,17 @@ def scale_by_pro(
             since the last fit (every step at p = 1, distributed-kron's
             behaviour); other steps precondition
             with the factors as they are, at a fraction of the cost.
+
+    Example, with a schedule and clipping of one's own:
+
+        >>> import optax
+        >>> opt = optax.chain(
+        ...     optax.clip_by_global_norm(1.0),
+        ...     scale_by_pro(),
+        ...     optax.scale_by_learning_rate(optax.cosine_decay_schedule(1e-3, 1000)),
+        ... )
+        >>> params = {"w": jnp.zeros((4, 3))}
+        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, opt.init(params))
     """
     arguments = dict(locals())
     for name, value in arguments.items():
@@ -708,7 +719,18 @@ def pro_opt_state_partition_specs(params, **pro_kwargs):
     ``params_partition_specs`` (replicated without them), factor stacks are split
     along ``pipeline_axis_name`` (replicated without it), the count replicated.
     As distributed-kron 2.0's ``get_opt_state_partition_specs`` (a tuple of the
-    chain's states; None for the stateless decay and learning rate)."""
+    chain's states; None for the stateless decay and learning rate).
+
+    Example, the momentum sharded as its parameter on a mesh axis "data":
+
+        >>> from jax.sharding import PartitionSpec
+        >>> params = {"w": jnp.zeros((4, 3))}
+        >>> specs = pro_opt_state_partition_specs(
+        ...     params, params_partition_specs={"w": PartitionSpec("data")}
+        ... )
+        >>> specs[0].mu["w"] == PartitionSpec("data"), specs[1:]
+        (True, (None, None))
+    """
     core = {
         k: v
         for k, v in pro_kwargs.items()

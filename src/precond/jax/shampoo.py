@@ -417,7 +417,15 @@ def _bound_config(args, kwargs) -> Config:
 def distributed_shampoo_state_shapes(params, *args, **kwargs) -> ShampooState:
     """Shapes and dtypes (``jax.ShapeDtypeStruct``) of the state that
     ``distributed_shampoo(*args, **kwargs).init(params)`` returns (params may be
-    abstract); the seed's ``shape_and_dtype_fn``."""
+    abstract); the seed's ``shape_and_dtype_fn``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+        >>> shapes = distributed_shampoo_state_shapes(params, 0.1, block_size=128)
+        >>> shapes.momentum["w"]
+        ShapeDtypeStruct(shape=(4, 3), dtype=float32)
+    """
     kwargs = {**kwargs, "sharded_init_fns": False}
     return jax.eval_shape(distributed_shampoo(*args, **kwargs).init, params)
 
@@ -430,6 +438,16 @@ def distributed_shampoo_partition_specs(
     (``params_partition_spec``, a tree like ``params``), the stacks follow
     ``statistics_partition_spec`` (replicated without one), the rest replicates.
     Use it for ``jax.jit(..., out_shardings=...)``; the seed's ``pspec_fn``.
+
+    Example, rows of ``w`` split over a mesh axis "data":
+
+        >>> import jax.numpy as jnp
+        >>> params = {"w": jnp.zeros((4, 3))}
+        >>> specs = distributed_shampoo_partition_specs(
+        ...     params, {"w": PartitionSpec("data")}, 0.1, block_size=128
+        ... )
+        >>> specs.momentum["w"] == PartitionSpec("data", None)
+        True
     """
     config = _bound_config(args, kwargs)
     shapes = distributed_shampoo_state_shapes(params, *args, **kwargs)
