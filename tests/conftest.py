@@ -48,6 +48,8 @@ LONGEST_FIRST = (
     "test_torch_kfac_example.py",
     "test_kfac_distributed.py",
     "test_kron_distributed.py",
+    "test_kron_fsdp.py",
+    "test_torch_kron_fsdp_example.py",
 )
 
 

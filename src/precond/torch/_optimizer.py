@@ -11,6 +11,7 @@ from typing import Any, cast
 import torch
 
 from precond._common.validation import check_real
+from precond.torch._dtensor import local_value
 
 
 def seeded_generator(device: torch.device, *integers: int) -> torch.Generator:
@@ -53,15 +54,18 @@ def gradient_entries(
 
 def skipped_for_unusable_gradients(
     entries: list[tuple[dict, torch.Tensor, int]],
+    grads: list[torch.Tensor] | None = None,
 ) -> bool:
-    """True when some gradient of ``entries`` is unusable
+    """True when some gradient of ``entries`` (or ``grads``, their whole
+    gradients where the parameters are sharded) is unusable
     (:func:`gradients_are_usable`): the step is skipped, its state unchanged, and
     only the decoupled weight decay is applied."""
-    grads = [p.grad for _, p, _ in entries]  # entries have gradients
-    if gradients_are_usable(cast("list[torch.Tensor]", grads)):
+    if grads is None:
+        grads = cast("list[torch.Tensor]", [p.grad for _, p, _ in entries])
+    if gradients_are_usable(grads):
         return False
     for group, p, _ in entries:
-        p.mul_(1 - scalar(group["lr"]) * group["weight_decay"])
+        local_value(p).mul_(1 - scalar(group["lr"]) * group["weight_decay"])
     return True
 
 

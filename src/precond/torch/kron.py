@@ -28,6 +28,15 @@ from precond._common.kron_constants import (  # re-exported, as before
 from precond._common.schedules import check_update_prob_schedule
 from precond._common.validation import check_bool, check_choice, check_real
 from precond.torch import _kron_math as km
+from precond.torch._dtensor import (
+    dtensors_supported,
+    full_gradients,
+    full_value,
+    is_dtensor,
+    local_part,
+    local_value,
+    looks_like_dtensor,
+)
 from precond.torch._kron_state import (
     FACTORS,
     LIPSCHITZ,
@@ -170,6 +179,12 @@ class Kron(CheckedOptimizer):
     Integer parameters are refused. ``None`` gradients are skipped; sparse
     gradients are refused.
 
+    DTensor parameters (FSDP2's ``fully_shard``, torch >= 2.6) work with either
+    strategy: each whole gradient is gathered, the factors and momentum are
+    fitted on the whole tensor (on every rank, or on the owner only with
+    ``ShardedPreconditioning``) and each rank applies its shard's slice of the
+    update, so the run is the unsharded one (:mod:`precond.torch._dtensor`).
+
     Args:
         params: parameters or param groups (every argument below except
             ``seed``, ``strategy`` and ``compile_kernels`` may be set per group).
@@ -297,8 +312,13 @@ class Kron(CheckedOptimizer):
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = closure_loss(closure)
         entries = gradient_entries(self.param_groups, _check_gradient)
-        if not entries or skipped_for_unusable_gradients(entries):
+        if not entries:
             return loss
+        # Whole gradients: a DTensor's is gathered (precond.torch._dtensor).
+        full = full_gradients([p for _, p, _ in entries])
+        if skipped_for_unusable_gradients(entries, full):
+            return loss
+        grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
         draws = None if self.seed is not None else self._global_draws(entries)
         owners = self.strategy.assign(
             [p for _, p, _ in entries],
@@ -308,7 +328,7 @@ class Kron(CheckedOptimizer):
         rank = self.strategy.rank
         mine = [e for e, owner in zip(entries, owners, strict=True) if owner == rank]
         for bucket in buckets(mine, self.state).values():
-            self._step_bucket(bucket, updates, draws)
+            self._step_bucket(bucket, updates, draws, grads)
         with record_function("precond/kron/share_updates"):
             shared = self.strategy.share(
                 [p for _, p, _ in entries],
@@ -330,22 +350,26 @@ class Kron(CheckedOptimizer):
             lr, decay = scalar(group["lr"]), group["weight_decay"]
             if group["update_clipping"] == "rms":
                 for _, p, update in members:
-                    p.mul_(1 - lr * decay)
-                    p.add_(update.to(p.dtype), alpha=-lr)
+                    local = local_value(p)
+                    local.mul_(1 - lr * decay)
+                    local.add_(local_part(p, update).to(p.dtype), alpha=-lr)
             else:
                 self._apply_norm_and_value_clipped(members, lr, decay)
 
     def _apply_norm_and_value_clipped(self, members, lr: float, decay: float) -> None:
         """kron-torch 0.1.0: the updates U + λθ of a group scaled to a global norm
-        of at most √(number of parameters), each entry clamped to [-1, 1]."""
+        of at most √(number of parameters), each entry clamped to [-1, 1] (on the
+        whole tensors: a DTensor θ is gathered for the decay term)."""
         steps = [update for _, _, update in members]
         if decay != 0:
-            steps = [u.add(p.to(u.dtype), alpha=decay) for (_, p, u) in members]
+            steps = [
+                u.add(full_value(p).to(u.dtype), alpha=decay) for (_, p, u) in members
+            ]
         torch.nn.utils.clip_grad_norm_(steps, self._parameter_count() ** 0.5)
         for (_, p, _), u in zip(members, steps, strict=True):
             # Complex entries: the real and imaginary parts each.
             (torch.view_as_real(u) if u.is_complex() else u).clamp_(-1.0, 1.0)
-            p.add_(u.to(p.dtype), alpha=-lr)
+            local_value(p).add_(local_part(p, u).to(p.dtype), alpha=-lr)
 
     def _parameter_count(self) -> int:
         """Number of trainable scalars in all groups (the clipping norm's square)."""
@@ -451,7 +475,9 @@ class Kron(CheckedOptimizer):
         _, mu_dtype = state_dtypes(p, group)
         state.setdefault(STEP, 0)  # kept from a kron-torch 0.1.0 state dict
         state.setdefault(UPDATE_COUNTER, 0)
-        if MOMENTUM not in state:
+        if MOMENTUM not in state and is_dtensor(p):  # whole, as the gradient
+            state[MOMENTUM] = torch.zeros(p.shape, dtype=mu_dtype, device=p.device)
+        elif MOMENTUM not in state:
             state[MOMENTUM] = torch.zeros_like(
                 p, dtype=mu_dtype, memory_format=torch.preserve_format
             )
@@ -464,16 +490,21 @@ class Kron(CheckedOptimizer):
         return state
 
     def _step_bucket(
-        self, bucket, updates: dict[int, torch.Tensor], draws: dict | None
+        self,
+        bucket,
+        updates: dict[int, torch.Tensor],
+        draws: dict | None,
+        grads: dict[int, torch.Tensor],
     ) -> None:
         """Momentum, fit and preconditioned update of equal-shaped parameters;
-        ``draws`` holds ``seed=None``'s draws (:meth:`_global_draws`)."""
+        ``draws`` holds ``seed=None``'s draws (:meth:`_global_draws`), ``grads``
+        the whole gradients by parameter index."""
         group = bucket[0][0]
         states = [self._init_state(p, g) for g, p, _ in bucket]
         shape, _ = factor_plan(bucket[0][1].shape, group)
         dtype = torch.promote_types(states[0][FACTORS][0].dtype, torch.float32)
         with record_function("precond/kron/momentum"):
-            mu_hat = _momentum_step(bucket, states, shape, dtype)
+            mu_hat = _momentum_step(bucket, states, shape, dtype, grads)
         stored_factors = [
             torch.stack([s[FACTORS][axis] for s in states]).to(dtype)
             for axis in range(len(shape))
@@ -481,14 +512,14 @@ class Kron(CheckedOptimizer):
         if _update_due(bucket, states, draws):
             with record_function("precond/kron/update_factors"):
                 stored_factors = self._fit(
-                    bucket, states, stored_factors, mu_hat, draws
+                    bucket, states, stored_factors, mu_hat, draws, grads
                 )
         with record_function("precond/kron/precondition"):
             U = _preconditioned(stored_factors, mu_hat, group)
         for (_, p, index), u in zip(bucket, U, strict=True):
             updates[index] = u.reshape(p.shape)
 
-    def _fit(self, bucket, states, stored_factors, mu_hat, draws) -> list:
+    def _fit(self, bucket, states, stored_factors, mu_hat, draws, grads) -> list:
         """One factor fit of a bucket (with its balancing and noise draws); a
         stack entry whose fit overflows keeps its old factors. Returns the new
         state arrays, also written into ``states``."""
@@ -501,8 +532,8 @@ class Kron(CheckedOptimizer):
             factors, noise = _global_randomness(bucket, factors, mu_hat, draws)
         target = mu_hat
         if not group["momentum_into_precond_update"]:
-            grads = [p.grad for _, p, _ in bucket]
-            target = _stacked(grads, mu_hat.dtype, mu_hat.shape[1:])
+            bucket_grads = [grads[index] for _, _, index in bucket]
+            target = _stacked(bucket_grads, mu_hat.dtype, mu_hat.shape[1:])
         lipschitz = []
         if not generation_2(group):
             if group["damping"]:
@@ -538,7 +569,9 @@ def _stacked(tensors, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.stack([t.to(dtype).reshape(shape) for t in tensors])
 
 
-def _momentum_step(bucket, states, shape, dtype: torch.dtype) -> torch.Tensor:
+def _momentum_step(
+    bucket, states, shape, dtype: torch.dtype, all_grads: dict[int, torch.Tensor]
+) -> torch.Tensor:
     """Counts the step and updates the momenta, m ← β₁m + (1−β₁)g; returns the
     stack of m̂ = m/(1−β₁ⁿ) (of g when β₁ = 0) in ``dtype`` and ``shape``. With
     ``store_debiased_momentum`` (kron-torch 0.1.0), m ← m̂."""
@@ -546,7 +579,7 @@ def _momentum_step(bucket, states, shape, dtype: torch.dtype) -> torch.Tensor:
     b1 = group["b1"]
     for state in states:
         state[STEP] += 1
-    grads = [p.grad for _, p, _ in bucket]
+    grads = [all_grads[index] for _, _, index in bucket]
     momenta = [s[MOMENTUM] for s in states]
     # Public torch API that torch's stubs leave out of __all__.
     torch._foreach_lerp_(  # pyright: ignore[reportPrivateImportUsage]
@@ -758,12 +791,11 @@ GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
 
 
 def _check_parameter(p: torch.Tensor) -> None:
-    if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+    if looks_like_dtensor(p) and not dtensors_supported():
         raise NotImplementedError(
-            "precond.torch.Kron does not support FSDP2 (fully_shard) DTensor "
-            "parameters yet: wrap the model in DDP instead (optionally with "
-            "strategy=precond.torch.ShardedPreconditioning() to spread the "
-            "preconditioner work over the ranks)"
+            "precond.torch.Kron takes DTensor (FSDP2 fully_shard) parameters "
+            f"from torch 2.6 on; this is torch {torch.__version__}: upgrade, or "
+            "wrap the model in DDP instead"
         )
     if not (p.is_floating_point() or p.is_complex()):
         raise TypeError(

@@ -6,6 +6,10 @@ gradients are already averaged, so :class:`Replicated` (every rank does all the
 work, no communication) is correct as it is; :class:`ShardedPreconditioning`
 spreads the fits and preconditioned updates over the ranks and exchanges the
 results with one all-gather per step.
+
+Under FSDP2 (``fully_shard``: DTensor parameters) both apply to whole
+parameters: Kron gathers each whole gradient, the assigned rank fits and
+preconditions it, and every rank applies its own shard's slice of the update.
 """
 
 from __future__ import annotations
