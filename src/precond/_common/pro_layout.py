@@ -11,10 +11,13 @@ streams (which the JAX transform uses to reproduce its draws).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
 import numpy as np
+
+from precond._common.blocking import Region, axis_segments, grid_regions
 
 BALANCE_EVERY = 100  # steps between rebalancing a block's two factors
 # Each tensor's update is clipped to RMS kron_constants.MAX_UPDATE_RMS, Kron's rule.
@@ -52,6 +55,11 @@ class _Region(NamedTuple):
     first: tuple[int, ...]
     offset: tuple[int, ...]
 
+    @property
+    def blocks(self) -> Region:
+        """The blocks as the blocking engine's region of the merged parameter."""
+        return Region(self.offset, self.counts, self.shape)
+
 
 class _Stack(NamedTuple):
     """Blocks of one shape and side kinds, fitted by one vmapped call."""
@@ -70,18 +78,6 @@ class _Plan(NamedTuple):
     merged: tuple[tuple[int, ...] | None, ...]  # None: a 0-size parameter
     stacks: tuple[_Stack, ...]
     stream_sizes: dict  # stream name (per leaf but 'dense') -> number of keys
-
-
-def _segments(d: int, block: int | None) -> list[tuple[int, int, int, int]]:
-    """(count, size, first block, offset) of the equal pieces of a side of d:
-    full blocks then the remainder, or the whole side when not blocked."""
-    if block is None or d <= block:
-        return [(1, d, 0, 0)]
-    full, rest = divmod(d, block)
-    pieces = [(full, block, 0, 0)]
-    if rest:
-        pieces.append((1, rest, full, full * block))
-    return pieces
 
 
 _SIDE_KINDS = {  # (diagonal per side) -> the name of its key stream
@@ -124,21 +120,22 @@ def _region_key_index(region: _Region, B: int, grid: list[int]) -> np.ndarray:
 
 
 def _leaf_regions(leaf, merged, blocked):
-    """(regions of equal blocks, blocks per side) of one parameter."""
-    per_side = [_segments(d, b) for d, b in zip(merged, blocked, strict=True)]
-    grid = [sum(count for count, *_ in side) for side in per_side]
-    regions = []
-    for combo in np.ndindex(*(len(side) for side in per_side)):
-        pieces = [side[c] for side, c in zip(per_side, combo, strict=True)]
-        regions.append(
-            _Region(
-                leaf,
-                counts=tuple(p[0] for p in pieces),
-                shape=tuple(p[1] for p in pieces),
-                first=tuple(p[2] for p in pieces),
-                offset=tuple(p[3] for p in pieces),
-            )
+    """(regions of equal blocks, blocks per side) of one parameter: full blocks,
+    then the remainder, per blocked side (:func:`axis_segments`)."""
+    per_side = [axis_segments(d, b) for d, b in zip(merged, blocked, strict=True)]
+    grid = [sum(s.count for s in side) for side in per_side]
+    regions = [
+        _Region(
+            leaf,
+            counts=region.grid,
+            shape=region.block_shape,
+            first=tuple(s.first for s in combo),
+            offset=region.starts,
         )
+        for region, combo in zip(
+            grid_regions(per_side), itertools.product(*per_side), strict=True
+        )
+    ]
     return regions, grid
 
 

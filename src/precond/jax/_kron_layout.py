@@ -2,7 +2,8 @@
 
 The plans are made on shapes alone by :mod:`precond._common.kron_plan`
 (re-exported here); this module moves arrays between the parameters' layout and
-the stacks'.
+the stacks' with the blocking engine shared with pro and Shampoo
+(:mod:`precond.jax._blocks`): a padded tensor is one region of equal blocks.
 
 Padding (edge blocks, empty units) is zeros here; see the plan for its rules.
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from precond._common.blocking import Region
 from precond._common.kron_constants import BLOCK_PADDINGS, MERGE_RULES
 from precond._common.kron_plan import (
     PADDING_UNIT,
@@ -24,6 +26,7 @@ from precond._common.kron_plan import (
     plan_tensor,
     unit_extents,
 )
+from precond.jax._blocks import cut, join
 
 __all__ = [
     "BLOCK_PADDINGS",
@@ -41,40 +44,28 @@ __all__ = [
 ]
 
 
+def _region(plan: TensorPlan) -> Region:
+    """The plan's padded tensor as one region of equal blocks."""
+    return Region((0,) * len(plan.shape), plan.blocks_per_axis, plan.block_shape)
+
+
 def to_units(x: jax.Array, plan: TensorPlan) -> jax.Array:
     """(*lead, *plan.shape) → (units, *plan.block_shape), zero-padding edge blocks."""
-    k = len(plan.shape)
-    lead = x.shape[: x.ndim - k]
+    lead_ndim = x.ndim - len(plan.shape)
     padded = plan.padded_shape
     if padded != plan.shape:
         x = jnp.pad(
             x,
-            [(0, 0)] * len(lead)
+            [(0, 0)] * lead_ndim
             + [(0, p - d) for p, d in zip(padded, plan.shape, strict=True)],
         )
-    split = lead + tuple(
-        s
-        for n, b in zip(plan.blocks_per_axis, plan.block_shape, strict=True)
-        for s in (n, b)
-    )
-    order = (
-        tuple(range(len(lead)))
-        + tuple(len(lead) + 2 * i for i in range(k))
-        + tuple(len(lead) + 2 * i + 1 for i in range(k))
-    )
-    return x.reshape(split).transpose(order).reshape((-1, *plan.block_shape))
+    return cut(x, _region(plan), lead_ndim)
 
 
 def from_units(units: jax.Array, plan: TensorPlan, lead: tuple[int, ...]) -> jax.Array:
     """Inverse of :func:`to_units`: (units, *block_shape) → (*lead, *plan.shape)."""
-    k = len(plan.shape)
-    grid = lead + plan.blocks_per_axis + plan.block_shape
-    order = tuple(range(len(lead))) + tuple(
-        axis for i in range(k) for axis in (len(lead) + i, len(lead) + k + i)
-    )
-    padded = plan.padded_shape
-    x = units.reshape(grid).transpose(order).reshape(lead + padded)
-    if padded != plan.shape:
+    x = join([(_region(plan), units)], lead)
+    if plan.padded_shape != plan.shape:
         x = x[(..., *tuple(slice(0, d) for d in plan.shape))]
     return x
 

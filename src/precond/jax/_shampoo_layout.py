@@ -1,15 +1,15 @@
 """Where Shampoo's statistics live: block plans, the stack layout, block algebra.
 
-A parameter is reshaped to its merged shape and cut into blocks; blocks of one
-shape form a :class:`BlockGroup`. Every statistic (one per block and
-preconditioned axis) has a row in the stack of its (size n, exponent p): the
-:class:`Layout` says which rows belong to which parameter. Plans are functions
+A parameter is reshaped to its merged shape and cut into blocks by the engine
+shared with Kron and pro (:mod:`precond.jax._blocks`); blocks of one shape form
+a region (:class:`precond._common.blocking.Region`). Every statistic (one per
+block and preconditioned axis) has a row in the stack of its (size n, exponent
+p): the :class:`Layout` says which rows belong to which parameter. Plans are functions
 of shapes and the config alone (static at trace time, never stored).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import string
 from typing import NamedTuple
@@ -17,25 +17,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from precond._common.blocking import Region, axis_segments, grid_regions
 from precond._common.factor_plan import merge_small_dims
+from precond.jax._blocks import cut, join
 from precond.jax._shampoo_config import Config, PreconditionerType
-
-
-class BlockGroup(NamedTuple):
-    """Blocks of one parameter that share a shape: a grid cut from one region."""
-
-    starts: tuple[int, ...]  # where the region starts, per merged axis
-    grid: tuple[int, ...]  # blocks per axis
-    block_shape: tuple[int, ...]
-
-    @property
-    def count(self) -> int:
-        return math.prod(self.grid)
 
 
 class ParameterPlan(NamedTuple):
     merged_shape: tuple[int, ...]
-    groups: tuple[BlockGroup, ...]
+    groups: tuple[Region, ...]  # regions of equal blocks
     exponent: int
     axes: tuple[int, ...]  # the merged axes that get a preconditioner
 
@@ -43,17 +33,6 @@ class ParameterPlan(NamedTuple):
     def entries(self) -> list[tuple[int, int]]:
         """(group, axis) of each statistic entry, in state order."""
         return [(g, k) for g in range(len(self.groups)) for k in self.axes]
-
-
-def axis_segments(d: int, block_size: int) -> list[tuple[int, int, int]]:
-    """(start, blocks, block size) runs of one axis: full blocks, then the rest."""
-    if not 0 < block_size < d:
-        return [(0, 1, d)]
-    full = (d - 1) // block_size
-    rest = d - full * block_size
-    if rest == block_size:
-        return [(0, full + 1, block_size)]
-    return [(0, full, block_size), (full * block_size, 1, rest)]
 
 
 def plan_parameter(shape: tuple[int, ...], config: Config) -> ParameterPlan | None:
@@ -73,16 +52,7 @@ def plan_parameter(shape: tuple[int, ...], config: Config) -> ParameterPlan | No
         if config.best_effort_shape_interpretation
         else tuple(shape)
     )
-    groups = tuple(
-        BlockGroup(
-            tuple(s[0] for s in combo),
-            tuple(s[1] for s in combo),
-            tuple(s[2] for s in combo),
-        )
-        for combo in itertools.product(
-            *(axis_segments(d, config.block_size) for d in merged)
-        )
-    )
+    groups = tuple(grid_regions([axis_segments(d, config.block_size) for d in merged]))
     rank = len(merged)
     kind = config.precondtioner_type
     if kind == PreconditionerType.ALL or rank <= 1:
@@ -136,45 +106,6 @@ def padded_rows(rows: int, multiple: int) -> int:
 # ------------------------------------------------------------------ block algebra
 
 
-def to_blocks(x: jax.Array, group: BlockGroup) -> jax.Array:
-    """(count, *block_shape): the blocks of ``group`` cut from ``x``, row-major."""
-    region = x[
-        tuple(
-            slice(s, s + n * b)
-            for s, n, b in zip(group.starts, group.grid, group.block_shape, strict=True)
-        )
-    ]
-    rank = len(group.grid)
-    interleaved = region.reshape(
-        [v for nb in zip(group.grid, group.block_shape, strict=True) for v in nb]
-    )
-    order = [2 * i for i in range(rank)] + [2 * i + 1 for i in range(rank)]
-    return interleaved.transpose(order).reshape((group.count, *group.block_shape))
-
-
-def from_blocks(blocks: list[jax.Array], plan: ParameterPlan) -> jax.Array:
-    """Inverse of :func:`to_blocks` over all groups: the merged-shape tensor."""
-    regions = {}
-    for group, x in zip(plan.groups, blocks, strict=True):
-        rank = len(group.grid)
-        x = x.reshape(group.grid + group.block_shape)
-        order = [v for i in range(rank) for v in (i, rank + i)]
-        shape = [n * b for n, b in zip(group.grid, group.block_shape, strict=True)]
-        regions[group.starts] = x.transpose(order).reshape(shape)
-    starts_per_axis = [
-        sorted({g.starts[k] for g in plan.groups})
-        for k in range(len(plan.merged_shape))
-    ]
-
-    def nest(prefix):
-        axis = len(prefix)
-        if axis == len(starts_per_axis):
-            return regions[tuple(prefix)]
-        return [nest([*prefix, s]) for s in starts_per_axis[axis]]
-
-    return jnp.block(nest([]))
-
-
 def _letters(rank: int) -> str:
     return string.ascii_lowercase[:rank]
 
@@ -220,6 +151,6 @@ def preconditioned(g, plan: ParameterPlan, slots, roots, precision):
             if entry_group == g_index
         ]
         blocks.append(
-            _precondition_blocks(to_blocks(x, group), plan.axes, factors, precision)
+            (group, _precondition_blocks(cut(x, group), plan.axes, factors, precision))
         )
-    return from_blocks(blocks, plan).reshape(g.shape)
+    return join(blocks).reshape(g.shape)

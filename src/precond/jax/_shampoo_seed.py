@@ -61,7 +61,7 @@ def _seed_order(plan: ParameterPlan, slots, config: Config):
     block grid, and within a block its preconditioned axes in order."""
     segments = [axis_segments(d, config.block_size) for d in plan.merged_shape]
     starts = [
-        list(itertools.accumulate((n for _, n, _ in axis), initial=0))
+        list(itertools.accumulate((segment.count for segment in axis), initial=0))
         for axis in segments
     ]
     grid = tuple(axis_starts[-1] for axis_starts in starts)

@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from precond._common.validation import is_concrete_number
+from precond.jax._blocks import cut
 from precond.jax._guards import check_state_matches, gradients_are_usable
 from precond.jax._shampoo_config import Config, GraftingType
 from precond.jax._shampoo_layout import (
@@ -27,7 +28,6 @@ from precond.jax._shampoo_layout import (
     padded_rows,
     plan_layout,
     preconditioned,
-    to_blocks,
 )
 from precond.jax._shampoo_math import (
     matrix_inverse_pth_root,
@@ -165,7 +165,7 @@ def _new_statistics(grads, state, layout: Layout, config: Config):
             continue
         x = g.astype(_stack_dtype(state)).reshape(plan.merged_shape)
         grams = [
-            block_grams(to_blocks(x, group), plan.axes, config.gram_precision)
+            block_grams(cut(x, group), plan.axes, config.gram_precision)
             for group in plan.groups
         ]
         for (group, axis), (stack, _, _) in zip(plan.entries, slots, strict=True):

@@ -48,7 +48,6 @@ from precond._common.pro_layout import (  # noqa: F401  (re-exported)
     _Plan,
     _plan,
     _Region,
-    _segments,
     _Stack,
     merged_shape,
 )
@@ -59,6 +58,7 @@ from precond._common.validation import (
 )
 from precond.jax import _kron_math as km
 from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
+from precond.jax._blocks import cut, join
 from precond.jax._guards import check_parameter_dtypes, is_params_placeholder
 from precond.jax._kron_sharding import is_box
 from precond.jax._psgd_transform import arguments_for, with_auto_axes
@@ -91,50 +91,6 @@ class ProState(NamedTuple):
     factors: tuple | jax.Array
     lipschitz: tuple | jax.Array
     update_counter: jax.Array  # [] int32: steps since the factors were fitted
-
-
-# ------------------------------------------------------------------ blocks
-
-
-def _cut(x: jax.Array, region: _Region) -> jax.Array:
-    """The region's blocks of x (B, *merged), as (units, *block shape)."""
-    B = x.shape[0]
-    index = (
-        slice(None),
-        *tuple(
-            slice(o, o + c * s)
-            for o, c, s in zip(region.offset, region.counts, region.shape, strict=True)
-        ),
-    )
-    part = x[index]
-    if len(region.shape) == 1:
-        return part.reshape(B * region.counts[0], region.shape[0])
-    (cr, cc), (r, c) = region.counts, region.shape
-    return part.reshape(B, cr, r, cc, c).transpose(0, 1, 3, 2, 4).reshape(-1, r, c)
-
-
-def _paste(blocks: jax.Array, region: _Region, B: int) -> jax.Array:
-    """Inverse of :func:`_cut`: (units, *block shape) -> (B, region extent)."""
-    if len(region.shape) == 1:
-        return blocks.reshape(B, region.counts[0] * region.shape[0])
-    (cr, cc), (r, c) = region.counts, region.shape
-    return (
-        blocks.reshape(B, cr, cc, r, c)
-        .transpose(0, 1, 3, 2, 4)
-        .reshape(B, cr * r, cc * c)
-    )
-
-
-def _assemble(pieces: list[tuple[_Region, jax.Array]], merged, B: int) -> jax.Array:
-    """A parameter's (B, *merged) tensor from its regions' pasted blocks."""
-    if len(merged) == 1:
-        return pieces[0][1]
-    rows: dict[int, list] = {}
-    for region, x in sorted(pieces, key=lambda p: p[0].offset):
-        rows.setdefault(region.offset[0], []).append(x)
-    return jnp.concatenate(
-        [jnp.concatenate(row, axis=2) for _, row in sorted(rows.items())], axis=1
-    )
 
 
 # ------------------------------------------------------------------ the fit
@@ -412,7 +368,7 @@ def _fit_decision(count, update_counter, recipe: _Recipe):
 
 def _stack_input(stack: _Stack, views: list) -> jax.Array:
     """The stack's blocks of the momentum views, zero units appended as padding."""
-    G = jnp.concatenate([_cut(views[r.leaf], r) for r in stack.regions])
+    G = jnp.concatenate([cut(views[r.leaf], r.blocks, 1) for r in stack.regions])
     if stack.padding:
         G = jnp.concatenate([G, jnp.zeros((stack.padding, *G.shape[1:]), G.dtype)])
     return G
@@ -477,8 +433,9 @@ def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, recipe):
         for region in stack.regions:
             B = plan.batch[region.leaf]
             units = B * math.prod(region.counts)
-            pasted = _paste(PG[start : start + units], region, B)
-            pieces.setdefault(region.leaf, []).append((region, pasted))
+            pieces.setdefault(region.leaf, []).append(
+                (region.blocks, PG[start : start + units])
+            )
             start += units
     return tuple(new_factors), tuple(new_lipschitz), pieces
 
@@ -492,7 +449,7 @@ def _clipped_updates(grads, plan: _Plan, pieces, recipe: _Recipe) -> list:
         if merged is None:
             out.append(jnp.zeros_like(g))
             continue
-        u = _assemble(pieces[i], merged, plan.batch[i]).reshape(g.shape)
+        u = join(pieces[i], (plan.batch[i],)).reshape(g.shape)
         rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
         u = u * (MAX_UPDATE_RMS / jnp.maximum(rms, MAX_UPDATE_RMS)).astype(u.dtype)
         if recipe.lr_style == "adam":
