@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     "test_kfac_distributed.py",
     "test_kron_distributed.py",
     "test_kron_fsdp.py",
+    "test_kfac_fsdp.py",
     "test_torch_kron_fsdp_example.py",
 )
 

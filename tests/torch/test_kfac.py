@@ -31,6 +31,7 @@ from precond.torch.kfac import (
     ComputeMethod,
     DistributedStrategy,
     KFACParamScheduler,
+    preconditioner,
 )
 from precond.torch.kfac.second_order import kl_clip_scale
 from tests.reference import kfac_reference as ref
@@ -552,12 +553,19 @@ def test_invalid_arguments_are_refused(kwargs, message):
         KFAC(SmallCNN(), **kwargs)
 
 
-def test_sharded_parameters_are_refused():
-    model = SmallCNN()
-    model.fc.weight = nn.Parameter(model.fc.weight.detach())
-    model.fc.weight._local_tensor = model.fc.weight.detach()  # looks like a DTensor
-    with pytest.raises(NotImplementedError, match="does not support FSDP"):
-        KFAC(model)
+def test_fsdp1_and_dtensors_of_an_old_torch_are_refused(monkeypatch):
+    class FullyShardedDataParallel(nn.Module):  # FSDP1's flat parameters
+        def __init__(self):
+            super().__init__()
+            self.module = SmallCNN()
+
+    with pytest.raises(NotImplementedError, match="not FSDP1"):
+        KFAC(FullyShardedDataParallel())
+    # DTensor weights where torch cannot cut a local shard (before 2.6).
+    monkeypatch.setattr(preconditioner, "looks_like_dtensor", lambda t: True)
+    monkeypatch.setattr(preconditioner, "dtensors_supported", lambda: False)
+    with pytest.raises(NotImplementedError, match=r"torch >= 2\.6"):
+        KFAC(SmallCNN())
 
 
 def test_strategies_in_one_process():

@@ -14,23 +14,42 @@ functions here are the math, shared by the hooks and the tests' references.
 
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from precond.torch._dtensor import full_gradients, local_part, local_value
+
 __all__ = [
     "KFACLayer",
     "input_covariance",
+    "module_class",
     "output_grad_covariance",
     "second_moment",
     "unsupported_reason",
 ]
 
 
+def module_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` replaces it with a subclass
+    FSDP<class> whose method resolution order is (FSDP<class>, FSDPModule,
+    class, ...)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    order = type(module).__mro__
+    if fsdp_module is not None and isinstance(module, fsdp_module):
+        return order[order.index(fsdp_module) + 1]
+    return type(module)
+
+
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why K-FAC cannot precondition ``module`` (``None`` if it can)."""
-    if type(module) is not nn.Linear and type(module) is not nn.Conv2d:
-        return f"{type(module).__name__} is not nn.Linear or nn.Conv2d"
+    if module_class(module) not in (nn.Linear, nn.Conv2d):
+        return f"{module_class(module).__name__} is not nn.Linear or nn.Conv2d"
+    assert isinstance(module, nn.Linear | nn.Conv2d)  # FSDP<class> is one too
     if not module.weight.requires_grad:
         return "its weight does not require a gradient"
     if module.weight.is_complex():
@@ -108,7 +127,10 @@ class KFACLayer:
     hooks collected since the last fold, and its second-order data.
 
     ``grad_matrix`` / ``set_grad`` convert between the module's ``.grad`` tensors and
-    the (out, in [+1]) matrix ∇ = [∇W_flat | ∇b] that A and G act on.
+    the (out, in [+1]) matrix ∇ = [∇W_flat | ∇b] that A and G act on. For DTensor
+    parameters (FSDP2's ``fully_shard``) ∇ is gathered whole (G⁻¹∇A⁻¹ mixes all
+    its rows) and each rank writes back its shard's rows
+    (:mod:`precond.torch._dtensor`).
     """
 
     def __init__(self, name: str, module: nn.Linear | nn.Conv2d):
@@ -117,7 +139,7 @@ class KFACLayer:
         self.has_bias = _has_bias(module)
         weight = module.weight
         self.g_dim = weight.shape[0]
-        self.a_dim = weight[0].numel() + int(self.has_bias)
+        self.a_dim = math.prod(weight.shape[1:]) + int(self.has_bias)
         # Sums of per-pass contributions since the last fold, and their counts.
         self.a_sum: torch.Tensor | None = None
         self.g_sum: torch.Tensor | None = None
@@ -153,15 +175,15 @@ class KFACLayer:
 
     def grad_matrix(self) -> torch.Tensor:
         """∇ = [∇W reshaped to (out, rest) | ∇b]: shape (g_dim, a_dim)."""
-        weight_grad = self.module.weight.grad
-        assert weight_grad is not None  # called for layers with has_grad() only
+        (weight_grad,) = full_gradients([self.module.weight])
         grad = weight_grad.reshape(self.g_dim, -1)
         if self.has_bias:
             bias = self.module.bias
             assert bias is not None  # has_bias
-            bias_grad = bias.grad
-            if bias_grad is None:
-                bias_grad = torch.zeros_like(bias)
+            if bias.grad is None:
+                bias_grad = grad.new_zeros(bias.shape)
+            else:
+                (bias_grad,) = full_gradients([bias])
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
@@ -169,10 +191,12 @@ class KFACLayer:
         """Writes ``matrix`` (g_dim, a_dim) back into the weight and bias grads."""
         weight = self.module.weight
         assert weight.grad is not None  # called for layers with has_grad() only
-        weight.grad.copy_(matrix[:, : weight[0].numel()].reshape(weight.shape))
+        columns = math.prod(weight.shape[1:])
+        whole = matrix[:, :columns].reshape(weight.shape)
+        local_value(weight.grad).copy_(local_part(weight.grad, whole))
         if self.has_bias:
             bias = self.module.bias
             assert bias is not None  # has_bias
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
-            bias.grad.copy_(matrix[:, -1])
+            local_value(bias.grad).copy_(local_part(bias.grad, matrix[:, -1]))

@@ -37,6 +37,11 @@ of the global loss is g/W. The hooks use g/W, so the factors (and every step) ar
 those of one process on the global batch: K-FAC does not change with the number of
 ranks (KAISA's G grows with W², which changes what a given damping means;
 ``world_size_invariant=False`` gives KAISA's factors).
+
+FSDP2 (``fully_shard``, DTensor parameters): the hooks see whole activations and
+output gradients, as under DDP; ``step()`` gathers each layer's whole gradient ∇
+(G⁻¹∇A⁻¹ mixes all of its rows), preconditions it as above and writes each
+rank's shard back into ``.grad``, so every step equals one process's.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from precond.torch._dtensor import dtensors_supported, looks_like_dtensor
 from precond.torch.kfac.arguments import (
     _ARGUMENT_CHECKS as _ARGUMENT_CHECKS,  # re-exported: docs/make_arguments.py
 )
@@ -72,6 +78,7 @@ from precond.torch.kfac.communication import Communicator
 from precond.torch.kfac.layers import (
     KFACLayer,
     input_covariance,
+    module_class,
     output_grad_covariance,
     unsupported_reason,
 )
@@ -110,7 +117,7 @@ def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
     case (KAISA compares lower-cased names)."""
     return any(
         re.fullmatch(p, name, re.IGNORECASE)
-        or re.fullmatch(p, type(module).__name__, re.IGNORECASE)
+        or re.fullmatch(p, module_class(module).__name__, re.IGNORECASE)
         for p in patterns
     )
 
@@ -309,11 +316,15 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
         for module in modules.values():
             weight = getattr(module, "weight", None)
             if type(module).__name__ == "FullyShardedDataParallel" or (
-                type(weight).__name__ == "DTensor" or hasattr(weight, "_local_tensor")
+                isinstance(weight, torch.Tensor)
+                and looks_like_dtensor(weight)
+                and not dtensors_supported()
             ):
                 raise NotImplementedError(
-                    "precond.torch.kfac.KFAC does not support FSDP (sharded "
-                    "parameters) yet: wrap the model in DistributedDataParallel"
+                    "precond.torch.kfac.KFAC supports FSDP2 (fully_shard, DTensor "
+                    "parameters, torch >= 2.6) but not FSDP1 "
+                    "(FullyShardedDataParallel): use fully_shard, or wrap the "
+                    "model in DistributedDataParallel"
                 )
         if names is not None:
             unknown = [n for n in names if n not in modules]
