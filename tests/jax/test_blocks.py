@@ -21,12 +21,12 @@ from precond._common.blocking import axis_segments, grid_regions
 from precond.jax._blocks import cut, join, units_of
 
 SHAPES = [(7,), (8,), (10, 3), (4, 4), (9, 10), (5, 6, 7), (1, 9), (3, 1, 5)]
-BLOCKS = [None, 0, 2, 3, 4, 16]
-LEADS = [(), (2,), (2, 3)]
+BLOCKS = [None, 2, 3, 16]
+LEADS = [(), (2, 3)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 7, 8, 9, 16])
-@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("block", [None, 0, -1, 1, 2, 3, 4, 8, 16])
 def test_segments_tile_the_axis(d, block):
     segments = axis_segments(d, block)
     covered = [
