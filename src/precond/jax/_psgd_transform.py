@@ -155,13 +155,9 @@ def flattened_preconditioner(
         dtype = jnp.promote_types(dtype, jnp.float32) if n else jnp.float32
         return init_vector(n, dtype, scale, key)
 
-    def fit(factors, h, v, lr, first, key, newton):
+    def fit_flat(factors, h, v, lr, first, key, newton):
         if flat_size_and_dtype(h)[0] == 0:  # no parameters: nothing to fit
             return factors
-        fit_flat_newton = functools.partial(fit_flat, newton=newton)
-        return with_auto_axes(fit_flat_newton, factors, factors, h, v, lr, first, key)
-
-    def fit_flat(factors, h, v, lr, first, key, newton):
         dtype = jax.tree.leaves(factors)[0].dtype
         h = ravel_pytree(h)[0].astype(dtype)
         v = ravel_pytree(v)[0].astype(dtype)
@@ -174,9 +170,6 @@ def flattened_preconditioner(
         with matmul_precision(precision), jax.named_scope(f"precond/{name}/update"):
             return fit_vector(factors, h, v, lr, rescale, key)
 
-    def apply(factors, m):
-        return with_auto_axes(apply_flat, m, factors, m)
-
     def apply_flat(factors, m):
         flat, unravel = ravel_pytree(m)
         g = flat.astype(jax.tree.leaves(factors)[0].dtype)
@@ -186,7 +179,32 @@ def flattened_preconditioner(
         ):
             return unravel(precondition_vector(*factors, g))
 
-    return Preconditioner(init, fit, apply, fit_uses_key=fit_uses_key)
+    return auto_axes_preconditioner(
+        init, fit_flat, apply_flat, fit_uses_key=fit_uses_key
+    )
+
+
+def auto_axes_preconditioner(
+    init: Callable[[Any, float, jax.Array], tuple[Any, jax.Array]],
+    fit_all: Callable[..., Any],
+    apply_all: Callable[[Any, Any], Any],
+    *,
+    draws_vector: bool = True,
+    fit_uses_key: bool = False,
+) -> Preconditioner:
+    """A :class:`Preconditioner` from its work on whole trees, each run under
+    :func:`with_auto_axes`: ``fit_all(factors, h, v, lr, first, key, newton)``
+    (new factors placed like the old) and ``apply_all(factors, m)`` (P·m placed
+    like m)."""
+
+    def fit(factors, h, v, lr, first, key, newton):
+        fit_newton = functools.partial(fit_all, newton=newton)
+        return with_auto_axes(fit_newton, factors, factors, h, v, lr, first, key)
+
+    def apply(factors, m):
+        return with_auto_axes(apply_all, m, factors, m)
+
+    return Preconditioner(init, fit, apply, draws_vector, fit_uses_key)
 
 
 def with_auto_axes(body: Callable, out_like: Any, *args) -> Any:
@@ -265,9 +283,11 @@ def psgd_alias(
     )
 
 
-def check_psgd_arguments(**arguments) -> None:
-    """Construction-time checks of the arguments every PSGD variant shares."""
-    for name, check in PSGD_ARGUMENT_CHECKS.items():
+def check_arguments(checks: dict[str, Callable], arguments: dict[str, Any]) -> None:
+    """Construction-time checks: ``check(name, arguments[name])`` for every
+    ``name: check`` of ``checks`` (:data:`PSGD_ARGUMENT_CHECKS` or a variant's
+    own), ``arguments`` being the caller's ``locals()``."""
+    for name, check in checks.items():
         check(name, arguments[name])
 
 
@@ -417,11 +437,11 @@ def scale_by_psgd(
 ) -> optax.GradientTransformationExtraArgs:
     """The PSGD transformation around ``preconditioner`` (see the module docstring).
 
-    Checks the shared arguments (:func:`check_psgd_arguments`) at construction;
+    Checks the shared arguments (:data:`PSGD_ARGUMENT_CHECKS`) at construction;
     ``step_normalizer_order`` and ``precision`` are only checked here (the
     preconditioner, built by the caller, uses them).
     """
-    check_psgd_arguments(**locals())  # first: locals() are the arguments
+    check_arguments(PSGD_ARGUMENT_CHECKS, locals())  # first: locals() = arguments
     warn_if_xla_cpu_deadlock_possible()
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None

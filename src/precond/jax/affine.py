@@ -34,11 +34,12 @@ from precond.jax._guards import is_params_placeholder
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
+    auto_axes_preconditioner,
+    check_arguments,
     first_fit_scale,
     psgd_alias,
     psgd_arguments,
     scale_by_psgd,
-    with_auto_axes,
 )
 
 # Each fit rebalances the two factors of every parameter with probability
@@ -329,15 +330,9 @@ def affine_preconditioner(
     apply_all = functools.partial(
         _apply_all, precision=precision, permute_axes=permute_axes
     )
-
-    def fit(factors, h, v, lr, first, key, newton):
-        fit_newton = functools.partial(fit_all, newton=newton)
-        return with_auto_axes(fit_newton, factors, factors, h, v, lr, first, key)
-
-    def apply(factors, m):
-        return with_auto_axes(apply_all, m, factors, m)
-
-    return Preconditioner(init, fit, apply, draws_vector=False, fit_uses_key=True)
+    return auto_axes_preconditioner(
+        init, fit_all, apply_all, draws_vector=False, fit_uses_key=True
+    )
 
 
 def _init_all(
@@ -515,8 +510,7 @@ def scale_by_affine(
     Example:
         >>> optimizer = scale_by_affine()
     """
-    for name in AFFINE_ARGUMENT_CHECKS:
-        AFFINE_ARGUMENT_CHECKS[name](name, locals()[name])
+    check_arguments(AFFINE_ARGUMENT_CHECKS, locals())
     return scale_by_psgd(
         affine_preconditioner(
             step_normalizer_order,
@@ -561,10 +555,9 @@ def affine(
     parameter: complex for complex parameters). The preconditioner is Hermitian, P =
     (Q_rᴴQ_r) ⊗ (Q_lᴴQ_l), i.e. P·G = Q_lᴴQ_l·G·(Q_rᴴQ_r)ᵀ (Kron's mode-product
     convention), fitted with conjugate transposes; the integrated-out noise is
-    circular complex normal. As for every optax optimizer on complex parameters,
-    pass the conjugate of ``jax.grad`` (which returns conj(2∂L/∂z̄) for a real loss,
-    the conjugate of the descent direction): ``grads = jax.tree.map(jnp.conj,
-    jax.grad(loss)(params))`` (:func:`precond.jax.hessian_helper` returns it so).
+    circular complex normal. As for every optax optimizer, pass conjugated
+    gradients, ``jax.tree.map(jnp.conj, jax.grad(loss)(params))`` (why:
+    :func:`precond.jax.hessian_helper`, which returns them so).
 
     Example:
         >>> optimizer = affine(learning_rate=0.01)

@@ -23,6 +23,7 @@ from precond._common.validation import check_choice, check_int
 from precond.jax._kron_math import conj, conj_transpose, squared_magnitude
 from precond.jax._psgd_transform import (
     Preconditioner,
+    check_arguments,
     flattened_preconditioner,
     psgd_alias,
     psgd_arguments,
@@ -332,8 +333,7 @@ def scale_by_lra(
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
     """
-    for name in LRA_ARGUMENT_CHECKS:
-        LRA_ARGUMENT_CHECKS[name](name, locals()[name])
+    check_arguments(LRA_ARGUMENT_CHECKS, locals())
     return scale_by_psgd(
         lra_preconditioner(
             uvd_rank_of_approximation, step_normalizer_order, precision, balance_method
@@ -372,11 +372,9 @@ def low_rank_approximation(
     complex U, V, d, fitted with conjugate transposes and circular complex noise
     (:func:`lra_update`). All parameters are flattened into one vector, so a tree
     with any complex leaf is fitted in complex arithmetic (real leaves get the real
-    part of P·g, a descent direction for them). As for every optax optimizer on
-    complex parameters, pass the conjugate of ``jax.grad`` (which returns
-    conj(2∂L/∂z̄) for a real loss, the conjugate of the descent direction): ``grads
-    = jax.tree.map(jnp.conj, jax.grad(loss)(params))``
-    (:func:`precond.jax.hessian_helper` returns it so).
+    part of P·g, a descent direction for them). As for every optax optimizer, pass
+    conjugated gradients, ``jax.tree.map(jnp.conj, jax.grad(loss)(params))`` (why:
+    :func:`precond.jax.hessian_helper`, which returns them so).
 
     Example:
         >>> optimizer = low_rank_approximation(learning_rate=0.01)

@@ -185,11 +185,9 @@ def xmat(
     with complex a, b, fitted with conjugate transposes and circular complex noise
     (:func:`xmat_update`). All parameters are flattened into one vector, so a tree
     with any complex leaf is fitted in complex arithmetic (real leaves get the real
-    part of P·g, a descent direction for them). As for every optax optimizer on
-    complex parameters, pass the conjugate of ``jax.grad`` (which returns
-    conj(2∂L/∂z̄) for a real loss, the conjugate of the descent direction): ``grads
-    = jax.tree.map(jnp.conj, jax.grad(loss)(params))``
-    (:func:`precond.jax.hessian_helper` returns it so).
+    part of P·g, a descent direction for them). As for every optax optimizer, pass
+    conjugated gradients, ``jax.tree.map(jnp.conj, jax.grad(loss)(params))`` (why:
+    :func:`precond.jax.hessian_helper`, which returns them so).
 
     Example:
         >>> optimizer = xmat(learning_rate=0.01)
