@@ -45,6 +45,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array of ``tree`` (all its shards together)."""
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def device0_bytes(tree: Any) -> int:
+    """Bytes of the shard of every leaf held by the first device of its mesh."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
 def median_time(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
     """Median wall seconds of ``runs`` calls of ``fn``, each blocked on."""
     for _ in range(warmup):

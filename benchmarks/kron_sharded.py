@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding
 
-from _common import loadavg, machine_info, median_time
+from _common import device0_bytes, loadavg, machine_info, median_time, tree_bytes
 from precond.bench.hlo import collectives
 from precond.bench.report import write_json
 from precond.jax import kron
@@ -72,15 +72,6 @@ def load_example() -> Any:
     sys.modules[spec.name] = module  # flax's dataclasses look their module up
     spec.loader.exec_module(module)
     return module
-
-
-def _bytes(tree: Any) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-
-def _device0_bytes(tree: Any) -> int:
-    """Bytes of the shard of every leaf held by the first device of its mesh."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
 def kron_for(example: Any, params: Any, args: argparse.Namespace, **overrides):
@@ -127,11 +118,11 @@ def measure_mesh(example: Any, abstract: Any, devices: int, args) -> dict[str, A
     return {
         "devices": devices,
         "mesh": MESHES[devices],
-        "param_bytes": _bytes(params),
-        "param_bytes_per_device": _device0_bytes(params),
-        "factor_bytes": _bytes(kron_state.preconditioners),
-        "factor_bytes_per_device": _device0_bytes(kron_state.preconditioners),
-        "momentum_bytes_per_device": _device0_bytes(kron_state.mu),
+        "param_bytes": tree_bytes(params),
+        "param_bytes_per_device": device0_bytes(params),
+        "factor_bytes": tree_bytes(kron_state.preconditioners),
+        "factor_bytes_per_device": device0_bytes(kron_state.preconditioners),
+        "momentum_bytes_per_device": device0_bytes(kron_state.mu),
         "received_bytes": sum(by_op.values()),
         "received_by_op": by_op,
         "collectives": len(found),
@@ -181,8 +172,8 @@ def time_one_device(example: Any, abstract: Any, args) -> list[dict[str, Any]]:
                 "optimizer": name,
                 "runs": runs,
                 "median_s": seconds,
-                "state_bytes": _bytes(holder["state"]),
-                "factor_bytes": None if factors is None else _bytes(factors),
+                "state_bytes": tree_bytes(holder["state"]),
+                "factor_bytes": None if factors is None else tree_bytes(factors),
             }
         )
     return rows
