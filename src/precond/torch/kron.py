@@ -93,7 +93,13 @@ def precond_update_prob_schedule(
     0.03), and so are the values, bit for bit. With ``flat_start=500`` it is
     :func:`precond.jax.precond_update_prob_schedule` within 2 ulp (torch's and
     XLA's float32 exp round differently), so both frameworks update the
-    preconditioner at the same steps (checked to 5000)."""
+    preconditioner at the same steps (checked to 5000).
+
+    Example:
+        >>> schedule = precond_update_prob_schedule()
+        >>> [round(float(schedule(n)), 4) for n in (1, 200, 500, 1000)]
+        [1.0, 1.0, 0.7408, 0.4493]
+    """
     check_update_prob_schedule(max_prob, min_prob, decay, flat_start)
     low = torch.tensor(min_prob, dtype=torch.float32)
     high = torch.tensor(max_prob, dtype=torch.float32)

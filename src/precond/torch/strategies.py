@@ -45,7 +45,13 @@ class Strategy:
 
 
 class Replicated(Strategy):
-    """Every rank computes every update (one process, or DDP-averaged gradients)."""
+    """Every rank computes every update (one process, or DDP-averaged gradients).
+
+    Example (Kron's default strategy):
+        >>> from precond.torch import Kron
+        >>> model = torch.nn.Linear(4, 2)
+        >>> optimizer = Kron(model.parameters(), strategy=Replicated())
+    """
 
     def assign(self, params, costs):
         return [self.rank] * len(params)
@@ -65,6 +71,11 @@ class ShardedPreconditioning(Strategy):
 
     Args:
         process_group: the ranks to spread over (default: the whole world).
+
+    Example, in each of the processes of a torchrun job (``model`` in DDP):
+
+        >>> strategy = ShardedPreconditioning()  # doctest: +SKIP
+        >>> optimizer = Kron(model.parameters(), strategy=strategy)  # doctest: +SKIP
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None):

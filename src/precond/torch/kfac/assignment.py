@@ -26,7 +26,12 @@ __all__ = ["LayerWork", "WorkerGrid", "assign_layers"]
 
 @dataclass(frozen=True)
 class WorkerGrid:
-    """The ``grad_workers × columns`` grid of ``world_size`` ranks (row-major)."""
+    """The ``grad_workers × columns`` grid of ``world_size`` ranks (row-major).
+
+    Example:
+        >>> WorkerGrid(world_size=4, grad_workers=2).column_ranks(1)
+        [1, 3]
+    """
 
     world_size: int
     grad_workers: int
@@ -81,6 +86,14 @@ def assign_layers(
     to the column with the least summed load, then its factors to the least-loaded
     rank of that column: both to one rank with ``colocate_factors``, else the
     costlier factor first and the other to the then least-loaded rank.
+
+    Example, three layers' (A, G) costs on two ranks of one worker each:
+        >>> work = assign_layers(
+        ...     {"a": (4.0, 1.0), "b": (2.0, 2.0), "c": (1.0, 1.0)},
+        ...     WorkerGrid(world_size=2, grad_workers=1),
+        ... )
+        >>> {name: w.a_worker for name, w in work.items()}
+        {'a': 0, 'b': 1, 'c': 1}
     """
     load = [0.0] * grid.world_size
     order = sorted(enumerate(costs.items()), key=lambda t: (-sum(t[1][1]), t[0]))

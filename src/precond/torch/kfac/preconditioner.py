@@ -195,6 +195,16 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             what a given damping means, do not change with the number of ranks.
             False: KAISA's factors, whose G is world_size² times larger under data
             parallelism (the same in one process).
+
+    Example, SGD preconditioned by K-FAC:
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+        ... )
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> preconditioner = KFAC(model, lr=0.1, damping=0.003)
+        >>> model(torch.randn(16, 4)).square().mean().backward()
+        >>> preconditioner.step()  # the layers' .grad become K-FAC's
+        >>> optimizer.step()
     """
 
     def __init__(

@@ -21,6 +21,17 @@ class KFACParamScheduler:
     ``start_step``: after ``step()`` brings the count to s, damping is
     base · damping_alpha^(number of milestones ≤ s), with base the value at
     construction. Call ``step()`` after ``preconditioner.step()``.
+
+    Example, the damping halved after the first epoch:
+        >>> import torch
+        >>> from precond.torch.kfac import KFAC
+        >>> preconditioner = KFAC(torch.nn.Linear(4, 2), damping=0.003)
+        >>> scheduler = KFACParamScheduler(
+        ...     preconditioner, damping_alpha=0.5, damping_schedule=[1]
+        ... )
+        >>> scheduler.step()
+        >>> preconditioner.damping
+        0.0015
     """
 
     def __init__(
