@@ -332,6 +332,13 @@ def scale_by_lra(
 
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
+
+    Example, chained with a schedule of one's own:
+        >>> import optax
+        >>> schedule = optax.linear_schedule(0.01, 0.0, transition_steps=100)
+        >>> opt = optax.chain(scale_by_lra(), optax.scale_by_learning_rate(schedule))
+        >>> params = {"w": jnp.zeros((4, 3))}
+        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, opt.init(params))
     """
     check_arguments(LRA_ARGUMENT_CHECKS, locals())
     return scale_by_psgd(

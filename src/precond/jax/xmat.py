@@ -151,6 +151,13 @@ def scale_by_xmat(
         mu_dtype: momentum dtype (default the gradients').
         precision: matmul precision (accepted for psgd-jax compatibility; XMat
             has only elementwise work).
+
+    Example, chained with a schedule of one's own:
+        >>> import optax
+        >>> schedule = optax.linear_schedule(0.01, 0.0, transition_steps=100)
+        >>> opt = optax.chain(scale_by_xmat(), optax.scale_by_learning_rate(schedule))
+        >>> params = {"w": jnp.zeros((4, 3))}
+        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, opt.init(params))
     """
     return scale_by_psgd(
         xmat_preconditioner(step_normalizer_order, precision),
