@@ -152,12 +152,12 @@ def scale_by_xmat(
         precision: matmul precision (accepted for psgd-jax compatibility; XMat
             has only elementwise work).
 
-    Example, chained with a schedule of one's own:
+    Example, after gradient clipping, with a fixed rate:
         >>> import optax
-        >>> schedule = optax.linear_schedule(0.01, 0.0, transition_steps=100)
-        >>> opt = optax.chain(scale_by_xmat(), optax.scale_by_learning_rate(schedule))
-        >>> params = {"w": jnp.zeros((4, 3))}
-        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, opt.init(params))
+        >>> clip = optax.clip_by_global_norm(1.0)
+        >>> opt = optax.chain(clip, scale_by_xmat(), optax.scale_by_learning_rate(0.01))
+        >>> state = opt.init({"w": jnp.zeros((4, 3))})
+        >>> updates, state = opt.update({"w": jnp.full((4, 3), 9.0)}, state)
     """
     return scale_by_psgd(
         xmat_preconditioner(step_normalizer_order, precision),
