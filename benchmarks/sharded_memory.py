@@ -359,10 +359,13 @@ def run_pair(model: Model, name: str, args: argparse.Namespace, log) -> dict:
     for devices in args.devices:
         log(f"  {name}: {devices} devices")
         measured.append(measure(model, name, devices, args.allocate_mb * 1e6))
-    for devices in (*args.devices, *SIMULATED):
+    for devices in sorted({1, *args.devices, *SIMULATED}):
         predicted.append(predict(model, name, devices))
-    for m, p in zip(measured, predicted, strict=False):
-        m["differences"] = _differences(m.pop("leaf_bytes"), p["leaf_bytes"])
+    by_devices = {p["devices"]: p for p in predicted}
+    for m in measured:
+        m["differences"] = _differences(
+            m.pop("leaf_bytes"), by_devices[m["devices"]]["leaf_bytes"]
+        )
     for p in predicted:
         del p["leaf_bytes"]
     return {"measured": measured, "predicted": predicted}
