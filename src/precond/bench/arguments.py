@@ -40,19 +40,21 @@ def positive_ints(text: str) -> list[int]:
     return [positive_int(item) for item in text.split(",") if item.strip()]
 
 
+def finite_positive(text: str, label: str) -> float:
+    """``float(text)``, finite and > 0; the error names ``label`` and the text."""
+    text = text.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{label} {text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{label} {text} must be a finite number > 0")
+    return value
+
+
 def multipliers(text: str) -> list[float]:
     """Comma-separated distinct numbers > 0, e.g. ``0.3,1,3`` (``--lr-sweep``)."""
-    values = []
-    for item in text.split(","):
-        try:
-            value = float(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{item.strip()!r} is not a number (e.g. --lr-sweep 0.3,1,3)"
-            ) from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"multiplier {item.strip()} must be > 0")
-        values.append(value)
+    values = [finite_positive(item, "multiplier") for item in text.split(",")]
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError("a multiplier is given more than once")
     return values

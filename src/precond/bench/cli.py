@@ -9,7 +9,6 @@ writes the report of the runs already finished and exits with status 130.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import sys
@@ -22,6 +21,7 @@ from precond._common.xla_workarounds import (
     simulate_cpu_devices,
 )
 from precond.bench.arguments import (
+    finite_positive,
     multipliers,
     names,
     nonnegative_float,
@@ -93,17 +93,7 @@ def _lr_override(text: str) -> tuple[str, float]:
             f"optimizer {optimizer!r} has no part rate {keyword!r}"
             + (f"; choose from {', '.join(parts)}" if parts else "")
         )
-    try:
-        value = float(value_text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"learning rate {value_text!r} for {name!r} is not a number"
-        ) from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(
-            f"learning rate {value_text} for {name!r} must be a finite number > 0"
-        )
-    return name, value
+    return name, finite_positive(value_text, f"learning rate for {name!r}:")
 
 
 # ------------------------------------------------------------------------- parser
