@@ -16,8 +16,10 @@ Each optimizer shards what it can: Kron splits its factor stacks over the mesh
 (``params_partition_specs``; unit axes inferred), pro along
 ``pipeline_axis_name``, Shampoo its statistics with ``shard_optimizer_states``
 (``statistics_partition_spec`` = ``preconditioner_partition_spec`` =
-P('fsdp', None, None), ``num_devices_for_pjit`` = devices); XMat, LRA and Affine
-have no sharding options. Nothing is trained: update probability 1.
+P('fsdp', None, None), ``num_devices_for_pjit`` = devices), XMat, LRA and Affine
+their momentum like the params and every factor along its first axis
+(``params_partition_specs``, ``preconditioner_partition_spec`` = P('fsdp')).
+Nothing is trained: update probability 1.
 
 On 1, 2, 4 and 8 simulated CPU devices (``jax.jit(init)`` and
 ``jax.jit(update)`` compiled on the sharded parameters' shapes):
@@ -34,7 +36,8 @@ For 64 and 256 devices (and, as a check, 1 to 8), a shapes-only prediction: the
 state's shapes from ``jax.eval_shape(init)`` on a ``jax.sharding.AbstractMesh``
 and each leaf's PartitionSpec from the optimizer's helper
 (``get_opt_state_partition_specs``, ``pro_opt_state_partition_specs``,
-``distributed_shampoo_partition_specs``; XMat, LRA, Affine: replicated), each
+``distributed_shampoo_partition_specs``; XMat, LRA, Affine: their placement
+rule), each
 dim divided by the mesh axes that split it, rounded up. Rows where measured and
 predicted bytes differ are marked ``!``, and the leaves that differ most listed.
 ``--quick``: small shapes, the transformer only, 8 devices measured (the 1-device
@@ -190,9 +193,28 @@ def _shampoo_kwargs(model: Model, devices: int, mesh: Any) -> dict[str, Any]:
     )
 
 
-def _replicated(params: Any, shapes: Any) -> Any:
-    """No sharding options: every leaf replicated (as the code asks XLA for)."""
-    return jax.tree.map(lambda _: P(), shapes)
+def _psgd_kwargs(model: Model, devices: int, mesh: Any) -> dict[str, Any]:
+    return dict(
+        params_partition_specs=param_specs(model),
+        preconditioner_partition_spec=P(AXIS),
+        mesh=mesh,
+    )
+
+
+def _psgd_specs(model: Model, kwargs: Any, params: Any, shapes: Any) -> Any:
+    """The rule of precond.jax._psgd_placement: momentum as its parameter, every
+    factor split along its first axis, the rest replicated."""
+    core, learning_rate = shapes
+    specs = jax.tree.map(lambda _: P(), core)
+    return (
+        specs._replace(
+            mu=param_specs(model),
+            preconditioner=jax.tree.map(
+                lambda x: P(AXIS) if x.ndim else P(), core.preconditioner
+            ),
+        ),
+        jax.tree.map(lambda _: P(), learning_rate),
+    )
 
 
 class Optimizer(NamedTuple):
@@ -219,9 +241,9 @@ OPTIMIZERS = {
             params, param_specs(m), **kw
         ),
     ),
-    "xmat": Optimizer(lambda *_: {}, xmat, lambda m, kw, p, s: _replicated(p, s)),
-    "lra": Optimizer(lambda *_: {}, lra, lambda m, kw, p, s: _replicated(p, s)),
-    "affine": Optimizer(lambda *_: {}, affine, lambda m, kw, p, s: _replicated(p, s)),
+    "xmat": Optimizer(_psgd_kwargs, xmat, _psgd_specs),
+    "lra": Optimizer(_psgd_kwargs, lra, _psgd_specs),
+    "affine": Optimizer(_psgd_kwargs, affine, _psgd_specs),
 }
 
 

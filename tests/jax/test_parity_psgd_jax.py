@@ -24,9 +24,12 @@ STEPS = 20
 RTOL = 1e-5
 NAMES = ("xmat", "low_rank_approximation", "affine")
 # precond's own keyword-only additions (psgd-jax 0.2.9 added none to these).
+# precond's keyword-only additions (the state's placement on a mesh for all).
+PLACEMENT = {"params_partition_specs", "preconditioner_partition_spec", "mesh"}
 NEWER_KEYWORDS = {
-    "low_rank_approximation": {"balance_method"},
-    "affine": {"permute_axes"},
+    "xmat": PLACEMENT,
+    "low_rank_approximation": {"balance_method"} | PLACEMENT,
+    "affine": {"permute_axes"} | PLACEMENT,
 }
 
 

@@ -76,14 +76,14 @@ def precond_update_prob_schedule(
     return schedule
 
 
-def _check_partition_spec(name, value) -> None:
+def check_partition_spec(name, value) -> None:
     if value is not None and not isinstance(value, PartitionSpec):
         raise ValueError(
             f"Invalid {name}={value!r}: must be a jax.sharding.PartitionSpec or None"
         )
 
 
-def _check_mesh(name, value) -> None:
+def check_mesh(name, value) -> None:
     if value is not None and not isinstance(
         value, jax.sharding.Mesh | jax.sharding.AbstractMesh
     ):
@@ -92,7 +92,7 @@ def _check_mesh(name, value) -> None:
         )
 
 
-def _checked_at_init(name, value) -> None:
+def checked_at_init(name, value) -> None:
     """Pytrees matched against the params (``scanned_layers``,
     ``params_partition_specs``): ``init`` checks them, with the params."""
 
@@ -122,18 +122,18 @@ KRON_ARGUMENT_CHECKS = {
     "precond_grads_precision": functools.partial(
         check_choice, choices=MATMUL_PRECISIONS
     ),
-    "scanned_layers": _checked_at_init,
+    "scanned_layers": checked_at_init,
     "lax_map_scanned_layers": check_bool,
     "lax_map_batch_size": functools.partial(check_int, low=1),
     "merge_small_dims": _SHARED["merge_small_dims"],
     "target_merged_dim_size": _SHARED["target_merged_dim_size"],
     "partition_grads_into_blocks": check_bool,
     "block_size": functools.partial(check_int, low=1),
-    "params_partition_specs": _checked_at_init,
-    "preconditioner_partition_spec": _check_partition_spec,
+    "params_partition_specs": checked_at_init,
+    "preconditioner_partition_spec": check_partition_spec,
     # Keyword-only, after distributed-kron's arguments.
     "momentum_into_precond_update": _SHARED["momentum_into_precond_update"],
-    "mesh": _check_mesh,
+    "mesh": check_mesh,
     "preconditioner_cache": _SHARED["preconditioner_cache"],
     "preconditioner_update_style": _SHARED["preconditioner_update_style"],
     "seed": check_int,

@@ -51,12 +51,24 @@ from precond.jax._guards import (
     check_parameter_dtypes,
     check_state_matches,
 )
+from precond.jax._kron_arguments import (
+    check_mesh,
+    check_partition_spec,
+    checked_at_init,
+)
 from precond.jax._kron_math import complex_dtype, is_complex, squared_magnitude
 from precond.jax._kron_sharding import explicit_specs
 from precond.jax._precision import (
     MATMUL_PRECISIONS,
     check_floating_dtype,
     matmul_precision,
+)
+from precond.jax._psgd_placement import (
+    PLACEMENT_ARGUMENTS,
+    placed_factors,
+    placed_like_params,
+    psgd_sharding,
+    unpadded_factors,
 )
 from precond.jax._step_policy import (
     keep_if_overflowed,
@@ -252,6 +264,10 @@ PSGD_ARGUMENT_CHECKS = {
     "seed": lambda name, value: check_seed(value),
     "mu_dtype": check_floating_dtype,
     "precision": functools.partial(check_choice, choices=MATMUL_PRECISIONS),
+    # Keyword-only, precond's (see _psgd_placement).
+    "params_partition_specs": checked_at_init,
+    "preconditioner_partition_spec": check_partition_spec,
+    "mesh": check_mesh,
 }
 
 
@@ -350,6 +366,27 @@ def init_psgd_state(
     )
 
 
+def placed_state(state: PSGDState, plan) -> PSGDState:
+    """``state`` with m placed as the params and the factors split (and padded)
+    as ``plan`` says (:mod:`._psgd_placement`); as it is without a plan."""
+    if plan is None:
+        return state
+    return state._replace(
+        mu=placed_like_params(state.mu, plan),
+        preconditioner=placed_factors(state.preconditioner, plan),
+    )
+
+
+def unplaced_factors(preconditioner: Preconditioner, factors, like, key, plan):
+    """``factors`` without the padding :func:`placed_state` added (their shapes
+    from ``preconditioner.init`` of params like ``like``); as they are without
+    a plan."""
+    if plan is None:
+        return factors
+    shapes = jax.eval_shape(lambda g: preconditioner.init(g, 1.0, key)[0], like)
+    return unpadded_factors(factors, shapes)
+
+
 def fit_pair_and_decision(
     preconditioner: Preconditioner,
     updates: Any,
@@ -434,20 +471,23 @@ def scale_by_psgd(
     mu_dtype: Any | None,
     step_normalizer_order: str,
     precision: str | None,
+    params_partition_specs: Any = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """The PSGD transformation around ``preconditioner`` (see the module docstring).
-
-    Checks the shared arguments (:data:`PSGD_ARGUMENT_CHECKS`) at construction;
-    ``step_normalizer_order`` and ``precision`` are only checked here (the
-    preconditioner, built by the caller, uses them).
-    """
-    check_arguments(PSGD_ARGUMENT_CHECKS, locals())  # first: locals() = arguments
+    """The PSGD transformation around ``preconditioner`` (see the module docstring),
+    its state placed on a mesh by :mod:`._psgd_placement`. Checks the shared
+    arguments (:data:`PSGD_ARGUMENT_CHECKS`) at construction; ``step_normalizer_order``
+    and ``precision`` only here (the caller's preconditioner uses them)."""
+    arguments = dict(locals())  # first: locals() = the arguments
+    check_arguments(PSGD_ARGUMENT_CHECKS, arguments)
     warn_if_xla_cpu_deadlock_possible()
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None
+    placement = {name: arguments[name] for name in PLACEMENT_ARGUMENTS}
 
     def init_fn(params):
-        return init_psgd_state(
+        state = init_psgd_state(
             preconditioner,
             params,
             keep_momentum=keep_momentum,
@@ -455,6 +495,7 @@ def scale_by_psgd(
             scale=1.0 if precond_init_scale is None else precond_init_scale,
             seed=seed,
         )
+        return placed_state(state, psgd_sharding(params, placement))
 
     def update_fn(updates, state: PSGDState, params=None, **extra_args):
         check_state_matches(state, init_fn, params, updates, "PSGD")
@@ -473,9 +514,9 @@ def scale_by_psgd(
             )
 
         fit_now = do_update & usable
-        factors, key, fitted = fit_if(
-            preconditioner, state.preconditioner, fit_now, key, fit
-        )
+        plan = psgd_sharding(updates, placement)
+        factors = unplaced_factors(preconditioner, state.preconditioner, h, key, plan)
+        factors, key, fitted = fit_if(preconditioner, factors, fit_now, key, fit)
         mu, m_hat = None, updates
         if keep_momentum:
             mu, m_hat = momentum_estimate(updates, state.mu, b1, nesterov, count)
@@ -489,9 +530,8 @@ def scale_by_psgd(
             preconditioner=factors,
             updates=state.updates + (fit_now & fitted).astype(jnp.int32),
         )
-        return zeros_unless_usable(usable, U, updates), state_unless_skipped(
-            usable, new_state, state
-        )
+        U = placed_like_params(zeros_unless_usable(usable, U, updates), plan)
+        return U, state_unless_skipped(usable, placed_state(new_state, plan), state)
 
     # optax's OptState (chex.ArrayTree) admits neither a None leaf (PSGDState.mu
     # without momentum) nor a state type narrower than any ArrayTree.

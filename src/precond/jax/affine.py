@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from precond._common.kron_constants import BALANCE_PROBABILITY
 from precond._common.validation import check_bool, check_int
@@ -463,6 +464,9 @@ def scale_by_affine(
     precision: str | None = "tensorfloat32",
     *,
     permute_axes: bool = False,
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD Affine preconditioner.
 
@@ -506,6 +510,10 @@ def scale_by_affine(
             every permutation of its axes (:func:`permuted_matrix_view`; a
             transpose per step); False (default): the free reshape of
             :func:`matrix_view_shape`, axes in their order.
+        params_partition_specs, preconditioner_partition_spec, mesh: keyword
+            only, precond's: the state on a mesh (default: the context mesh).
+            Momentum follows the params; the rows of every Q_l and Q_r are split
+            over the spec's axes, zero-padded (the math is the unsharded one).
 
     Example:
         >>> optimizer = scale_by_affine()
@@ -541,6 +549,9 @@ def affine(
     precision: str | None = "tensorfloat32",
     *,
     permute_axes: bool = False,
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD Affine: ``chain(scale_by_affine, add_decayed_weights,
     scale_by_learning_rate)``.

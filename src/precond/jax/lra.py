@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from precond._common.kron_constants import BALANCE_PROBABILITY
 from precond._common.validation import check_choice, check_int
@@ -297,6 +298,9 @@ def scale_by_lra(
     precision: str | None = "tensorfloat32",
     *,
     balance_method: str = "gauge",
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD LRA preconditioner P = QᵀQ, Q = (I + UVᵀ)diag(d).
 
@@ -329,6 +333,10 @@ def scale_by_lra(
         balance_method: how a fit (with probability 0.01) rebalances U and V
             without changing Q: 'gauge' (:func:`lra_balance`, UᵀU = VᵀV) or
             'norm' (psgd-jax's U/ρ, V·ρ, :func:`lra_scale_balance`).
+        params_partition_specs, preconditioner_partition_spec, mesh: keyword
+            only, precond's: the state on a mesh (default: the context mesh).
+            Momentum follows the params; U, V (n × r) and d (n) are split
+            over the spec's axes, zero-padded (the math is the unsharded one).
 
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
@@ -366,6 +374,9 @@ def low_rank_approximation(
     precision: str | None = "tensorfloat32",
     *,
     balance_method: str = "gauge",
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD LRA: ``chain(scale_by_lra, add_decayed_weights, scale_by_learning_rate)``.
 

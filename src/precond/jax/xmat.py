@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from precond.jax._kron_math import conj, squared_magnitude
 from precond.jax._psgd_transform import (
@@ -124,6 +125,10 @@ def scale_by_xmat(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
+    *,
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Scales updates by the PSGD XMat preconditioner.
 
@@ -151,6 +156,10 @@ def scale_by_xmat(
         mu_dtype: momentum dtype (default the gradients').
         precision: matmul precision (accepted for psgd-jax compatibility; XMat
             has only elementwise work).
+        params_partition_specs, preconditioner_partition_spec, mesh: keyword
+            only, precond's: the state on a mesh (default: the context mesh).
+            Momentum follows the params; a and b (n entries each) are split
+            over the spec's axes, zero-padded (the math is the unsharded one).
 
     Example, after gradient clipping, with a fixed rate:
         >>> import optax
@@ -179,6 +188,10 @@ def xmat(
     seed: jax.Array | int | None = None,
     mu_dtype: Any | None = None,
     precision: str | None = "tensorfloat32",
+    *,
+    params_partition_specs: Any | None = None,
+    preconditioner_partition_spec: PartitionSpec | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD XMat: ``chain(scale_by_xmat, add_decayed_weights, scale_by_learning_rate)``.
 
