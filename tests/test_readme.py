@@ -177,11 +177,15 @@ def test_readme_scale_by_shampoo_example_trains_and_is_the_alias_without_its_rat
         return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 
     def run(optimizer, params, state, steps):
-        losses = []
-        for _ in range(steps):
+        @jax.jit
+        def step(params, state):
             value, grads = jax.value_and_grad(loss)(params)
             updates, state = optimizer.update(grads, state, params)
-            params = optax.apply_updates(params, updates)
+            return optax.apply_updates(params, updates), state, value
+
+        losses = []
+        for _ in range(steps):
+            params, state, value = step(params, state)
             losses.append(float(value))
         return params, losses
 
