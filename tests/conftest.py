@@ -45,12 +45,11 @@ LONGEST_FIRST = (
     "test_bench.py",
     "test_kron_multiprocess.py",
     "test_readme.py",
-    "test_torch_kfac_example.py",
+    "test_torchrun_examples.py",
     "test_kfac_distributed.py",
     "test_kron_distributed.py",
     "test_kron_fsdp.py",
     "test_kfac_fsdp.py",
-    "test_torch_kron_fsdp_example.py",
 )
 
 

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +48,7 @@ from precond.torch.kfac import (
     assign_layers,
 )
 from precond.torch.kfac.preconditioner import _grad_workers
-from tests.torch.test_kron_distributed import init_gloo, spawn
+from tests.torch.spawned import check_spawned_cases
 
 STEPS = 5
 GLOBAL_BATCH = 16
@@ -156,7 +154,7 @@ def train(model, net, optimizer, preconditioner, rows, steps):
     return grads
 
 
-def distributed_run(rank, world_size, config_name, out):
+def distributed_run(config_name, rank, world_size, out):
     model = build()
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer, preconditioner = make(model, ddp, config_name)
@@ -211,25 +209,6 @@ def distributed_run(rank, world_size, config_name, out):
             for layer in preconditioner.layers
         },
     }
-
-
-def worker(rank, world_size, init_file, out_dir):
-    """One rank: every configuration in turn; writes rank{r}-{config}.pt, or
-    rank{r}.err with the configuration and the traceback."""
-    out = Path(out_dir)
-    config_name = "init_process_group"
-    try:
-        init_gloo(rank, world_size, init_file)
-        for config_name in CONFIGS:
-            result = distributed_run(rank, world_size, config_name, out)
-            torch.save(result, out / f"rank{rank}-{config_name}.pt")
-            dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(
-            f"in configuration {config_name}:\n{traceback.format_exc()}"
-        )
-        raise
 
 
 def single_process(config_name):
@@ -357,28 +336,20 @@ def check_placement_and_communication(results, config_name):
         assert all("second_order" not in s for s in sent)
 
 
+def check_all(results, config_name):
+    """Both checks of a configuration, the failing one named."""
+    for check in (check_equal_to_single_process, check_placement_and_communication):
+        try:
+            check(results, config_name)
+        except AssertionError as e:
+            raise AssertionError(f"{check.__name__}: {e}") from None
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_distributed_equals_single_process(tmp_path, world_size):
-    error = spawn(
-        worker,
-        (world_size, str(tmp_path / "init"), str(tmp_path)),
-        world_size,
-        tmp_path,
+    check_spawned_cases(
+        tmp_path, world_size, CONFIGS, distributed_run, check_all, weights_only=False
     )
-    failures = []
-    for config_name in CONFIGS:
-        files = [tmp_path / f"rank{r}-{config_name}.pt" for r in range(world_size)]
-        if not all(f.exists() for f in files):
-            failures.append(f"{config_name}: not finished on every rank")
-            continue
-        results = [torch.load(f, weights_only=False) for f in files]
-        for check in (check_equal_to_single_process, check_placement_and_communication):
-            try:
-                check(results, config_name)
-            except AssertionError as e:
-                failures.append(f"{config_name}, {check.__name__}: {e}")
-    if error is not None or failures:
-        pytest.fail("\n".join(failures + ([error] if error else [])))
 
 
 # --------------------------------------------------------------- placement units

@@ -2,7 +2,7 @@
 one process on the global batch.
 
 One spawned gloo run per world size (2, 4; the harness of
-test_kron_distributed.py). Every rank shards test_kfac_distributed's float64 CNN
+tests/torch/spawned.py). Every rank shards test_kfac_distributed's float64 CNN
 (every Conv2d and Linear, then the root) with ``fully_shard`` on an
 ``init_device_mesh("cpu", (world,))`` mesh: the layers' dim 0 (4, 6, 16 and 10
 output channels) splits unevenly over 4 ranks (conv2: 2, 2, 2, 0). It trains with
@@ -18,14 +18,11 @@ parameters, both world sizes): ~3e-15; RELATIVE_TOLERANCE = 1e-10 as for DDP.
 
 from __future__ import annotations
 
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tests.torch.spawned import check_spawned_cases
 from tests.torch.test_kfac_distributed import (
     GLOBAL_BATCH,
     RELATIVE_TOLERANCE,
@@ -36,7 +33,6 @@ from tests.torch.test_kfac_distributed import (
     relative_error,
     single_process,
 )
-from tests.torch.test_kron_distributed import init_gloo, spawn
 
 pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):
@@ -49,7 +45,10 @@ CONFIG_NAMES = (
 )
 
 
-def distributed_run(rank, world_size, config_name):
+def distributed_run(config_name, rank, world_size, out_dir):
+    """One rank of one configuration: each step's whole preconditioned
+    gradients and the final parameters."""
+    del out_dir  # the result is returned
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -74,25 +73,6 @@ def distributed_run(rank, world_size, config_name):
         "params": {n: p.full_tensor() for n, p in model.named_parameters()},
         "layers": len(preconditioner.layers),
     }
-
-
-def worker(rank, world_size, init_file, out_dir):
-    """One rank: every configuration in turn; writes rank{r}-{config}.pt, or
-    rank{r}.err with the configuration and the traceback."""
-    out = Path(out_dir)
-    config_name = "init_process_group"
-    try:
-        init_gloo(rank, world_size, init_file)
-        for config_name in CONFIG_NAMES:
-            result = distributed_run(rank, world_size, config_name)
-            torch.save(result, out / f"rank{rank}-{config_name}.pt")
-            dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(
-            f"in configuration {config_name}:\n{traceback.format_exc()}"
-        )
-        raise
 
 
 def check(results, config_name):
@@ -122,23 +102,7 @@ def check(results, config_name):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp2_equals_single_process(tmp_path, world_size):
-    error = spawn(
-        worker,
-        (world_size, str(tmp_path / "init"), str(tmp_path)),
-        world_size,
-        tmp_path,
+    worst = check_spawned_cases(
+        tmp_path, world_size, CONFIG_NAMES, distributed_run, check
     )
-    failures, worst = [], {}
-    for config_name in CONFIG_NAMES:
-        files = [tmp_path / f"rank{r}-{config_name}.pt" for r in range(world_size)]
-        if not all(f.exists() for f in files):
-            failures.append(f"{config_name}: not finished on every rank")
-            continue
-        results = [torch.load(f, weights_only=True) for f in files]
-        try:
-            worst[config_name] = check(results, config_name)
-        except AssertionError as e:
-            failures.append(f"{config_name}: {e}")
     print(f"{world_size} ranks, max relative difference: {worst}")
-    if error is not None or failures:
-        pytest.fail("\n".join(failures + ([error] if error else [])))

@@ -28,7 +28,7 @@ from precond.torch.kfac import (
     DistributedStrategy,
     KFACParamScheduler,
 )
-from tests.torch.test_kron_distributed import init_gloo, spawn
+from tests.torch.spawned import init_gloo, spawn
 
 
 class TinyModel(nn.Module):

@@ -19,26 +19,15 @@ all-reduce order. float32 agrees to FLOAT32_TOLERANCE (see there).
 
 from __future__ import annotations
 
-import datetime
-import time
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
 from precond.torch import Kron, ShardedPreconditioning
+from tests.torch.spawned import check_spawned_cases
 
 STEPS = 5
 GLOBAL_BATCH = 16
 IN_FEATURES, HIDDEN, OUT_FEATURES = 10, 63, 5
-# Seconds allowed to one collective, and to a whole spawned run (4 processes on a
-# shared 2-core machine take ~10 s, mostly importing torch).
-COLLECTIVE_TIMEOUT_S = 60
-RUN_TIMEOUT_S = 120
 # float64: the ranks' gradients are DDP's all-reduced average and the reference's
 # are the full-batch mean, equal up to summation order (~1e-16 relative); five
 # Kron steps keep that far below 1e-12 (measured: 6e-17).
@@ -142,82 +131,24 @@ RUNS = {
 }
 
 
-def init_gloo(rank: int, world_size: int, init_file) -> None:
-    """Joins the gloo group of a spawned test run (one thread per process, a
-    timeout on every collective)."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+def run_case(case_name, rank, world_size, out_dir):
+    """One rank of one case: DDP over its shard of every global batch; the final
+    parameters and the names of the parameters the optimizer keeps state for."""
+    del out_dir  # the result is returned
+    model_name, dtype_name, sharded = CASES[case_name]
+    model = build(model_name, dtype_name)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, find_unused_parameters=model_name == "net"
     )
-
-
-def worker(rank, world_size, init_file, out_dir, case_names):
-    """One rank: for each case, DDP over its shard of every global batch; writes
-    rank{r}-{case}.pt, or rank{r}.err with the case and the traceback."""
-    out = Path(out_dir)
-    case_name = "init_process_group"
-    try:
-        init_gloo(rank, world_size, init_file)
-        for case_name in case_names:
-            model_name, dtype_name, sharded = CASES[case_name]
-            model = build(model_name, dtype_name)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                model, find_unused_parameters=model_name == "net"
-            )
-            strategy = ShardedPreconditioning() if sharded else None
-            optimizer = optimizer_for(ddp.parameters(), dtype_name, strategy)
-            shard = GLOBAL_BATCH // world_size
-            rows = slice(rank * shard, (rank + 1) * shard)
-            train(ddp, optimizer, dtype_name, rows)
-            names = {id(p): n for n, p in model.named_parameters()}
-            torch.save(
-                {
-                    "params": {n: p.detach() for n, p in model.named_parameters()},
-                    "stateful": sorted(names[id(p)] for p in optimizer.state),
-                },
-                out / f"rank{rank}-{case_name}.pt",
-            )
-            dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(
-            f"in case {case_name}:\n{traceback.format_exc()}"
-        )
-        raise
-
-
-def spawn(fn, args, nprocs, out_dir):
-    """Runs ``fn(rank, *args)`` on ``nprocs`` processes; returns None, or a message
-    naming the ranks that failed or hung, with their tracebacks."""
-    context = mp.start_processes(
-        fn, args=args, nprocs=nprocs, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    error = None
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                alive = [i for i, p in enumerate(context.processes) if p.is_alive()]
-                error = f"ranks {alive} still running after {RUN_TIMEOUT_S} s"
-                break
-    except ProcessException as e:
-        error = f"rank {e.error_index} failed first: {e}"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    if error is None:
-        return None
-    tracebacks = "\n".join(
-        f"--- rank {rank} ---\n{(out_dir / f'rank{rank}.err').read_text()}"
-        for rank in range(nprocs)
-        if (out_dir / f"rank{rank}.err").exists()
-    )
-    return f"{error}\n{tracebacks}"
+    strategy = ShardedPreconditioning() if sharded else None
+    optimizer = optimizer_for(ddp.parameters(), dtype_name, strategy)
+    shard = GLOBAL_BATCH // world_size
+    train(ddp, optimizer, dtype_name, slice(rank * shard, (rank + 1) * shard))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "params": {n: p.detach() for n, p in model.named_parameters()},
+        "stateful": sorted(names[id(p)] for p in optimizer.state),
+    }
 
 
 def single_process(model_name, dtype_name):
@@ -266,23 +197,10 @@ def check_against_single_process(results, model_name, dtype_name, sharded):
 @pytest.mark.parametrize("run_name", list(RUNS))
 def test_distributed_equals_single_process(tmp_path, run_name):
     world_size, case_names = RUNS[run_name]
-    error = spawn(
-        worker,
-        (world_size, str(tmp_path / "init"), str(tmp_path), case_names),
-        world_size,
+    check_spawned_cases(
         tmp_path,
+        world_size,
+        case_names,
+        run_case,
+        lambda results, case: check_against_single_process(results, *CASES[case]),
     )
-    failures = []
-    for case_name in case_names:
-        model_name, dtype_name, sharded = CASES[case_name]
-        files = [tmp_path / f"rank{r}-{case_name}.pt" for r in range(world_size)]
-        if not all(f.exists() for f in files):
-            failures.append(f"{case_name}: not finished on every rank")
-            continue
-        results = [torch.load(f, weights_only=True) for f in files]
-        try:
-            check_against_single_process(results, model_name, dtype_name, sharded)
-        except AssertionError as e:
-            failures.append(f"{case_name}: {e}")
-    if error is not None or failures:
-        pytest.fail("\n".join(failures + ([error] if error else [])))

@@ -1,7 +1,7 @@
 """precond.torch.Kron on FSDP2 (``fully_shard``) DTensor parameters equals one
 process on the global batch.
 
-Each run spawns 2 or 4 gloo processes (the harness of test_kron_distributed.py:
+Each run spawns 2 or 4 gloo processes (the harness of tests/torch/spawned.py:
 ``file://`` rendezvous, timeouts on every collective and on the run). Every rank
 shards the same model with ``fully_shard`` on an ``init_device_mesh("cpu",
 (world,))`` mesh (parameters become DTensors sharded on dim 0), trains STEPS
@@ -26,16 +26,13 @@ parameter, over all cases and ranks, 2 and 4 ranks): float64 7e-16, float32
 from __future__ import annotations
 
 import copy
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from precond.torch import Kron, ShardedPreconditioning
 from precond.torch._dtensor import is_dtensor
-from tests.torch.test_kron_distributed import init_gloo, spawn
+from tests.torch.spawned import check_spawned_cases
 
 pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):
@@ -119,9 +116,10 @@ def local_values(model):
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
-def run_case(case_name, rank, world_size):
+def run_case(case_name, rank, world_size, out_dir):
     """FSDP2 training of one case, and the same steps again from the state_dict
     saved after step RESUME_AT. Returns what the parent checks."""
+    del out_dir  # the result is returned
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -157,25 +155,6 @@ def run_case(case_name, rank, world_size):
     train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
     result["resumed"] = local_values(model)
     return result
-
-
-def worker(rank, world_size, init_file, out_dir):
-    """One rank: every case in turn; writes rank{r}-{case}.pt, or rank{r}.err
-    with the case and the traceback."""
-    out = Path(out_dir)
-    case_name = "init_process_group"
-    try:
-        init_gloo(rank, world_size, init_file)
-        for case_name in CASES:
-            result = run_case(case_name, rank, world_size)
-            torch.save(result, out / f"rank{rank}-{case_name}.pt")
-            dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(
-            f"in case {case_name}:\n{traceback.format_exc()}"
-        )
-        raise
 
 
 def single_process(case_name):
@@ -235,23 +214,5 @@ def check_case(results, case_name):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_fsdp2_equals_single_process(tmp_path, world_size):
-    error = spawn(
-        worker,
-        (world_size, str(tmp_path / "init"), str(tmp_path)),
-        world_size,
-        tmp_path,
-    )
-    failures, worst = [], {}
-    for case_name in CASES:
-        files = [tmp_path / f"rank{r}-{case_name}.pt" for r in range(world_size)]
-        if not all(f.exists() for f in files):
-            failures.append(f"{case_name}: not finished on every rank")
-            continue
-        results = [torch.load(f, weights_only=True) for f in files]
-        try:
-            worst[case_name] = check_case(results, case_name)
-        except AssertionError as e:
-            failures.append(f"{case_name}: {e}")
+    worst = check_spawned_cases(tmp_path, world_size, list(CASES), run_case, check_case)
     print(f"{world_size} ranks, max relative difference: {worst}")
-    if error is not None or failures:
-        pytest.fail("\n".join(failures + ([error] if error else [])))
