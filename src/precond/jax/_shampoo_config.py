@@ -79,6 +79,8 @@ SHAMPOO_STATIC_ARGS = (
     "quantize_statistics",
     "sharded_init_fns",
     "precondition_with_previous_roots",
+    "params_partition_specs",
+    "mesh",
 )
 _PRECISIONS = {
     "default": lax.Precision.DEFAULT,
@@ -132,6 +134,8 @@ class Config(NamedTuple):
     quantize_statistics: bool | None
     sharded_init_fns: bool
     precondition_with_previous_roots: bool | None
+    params_partition_specs: Any  # a PartitionSpec (or None) per parameter, or None
+    mesh: Any  # the jax.sharding.Mesh the specs name, or None
 
     @property
     def uses_previous_roots(self) -> bool:
@@ -203,6 +207,27 @@ def _check_axis_name(name: str, value) -> None:
         )
 
 
+def _check_params_partition_specs(name: str, value) -> None:
+    """A pytree of PartitionSpecs (or None); its structure is checked against
+    the params by ``init``."""
+    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
+    leaves = jax.tree.leaves(value, is_leaf=is_spec)
+    if value is not None and not all(is_spec(x) for x in leaves):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a pytree of "
+            "jax.sharding.PartitionSpec (or None) like the params"
+        )
+
+
+def _check_mesh(name: str, value) -> None:
+    if value is not None and not isinstance(
+        value, jax.sharding.Mesh | jax.sharding.AbstractMesh
+    ):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a jax.sharding.Mesh"
+        )
+
+
 def _check_stack_spec(name: str, value) -> None:
     if value is not None and not isinstance(
         value, PartitionSpec | jax.sharding.Sharding
@@ -263,6 +288,9 @@ ARGUMENT_CHECKS = {
     "quantize_statistics": _optional(check_bool),
     "sharded_init_fns": check_bool,
     "precondition_with_previous_roots": _optional(check_bool),
+    # Keyword-only, precond's (see _shampoo_placement).
+    "params_partition_specs": _check_params_partition_specs,
+    "mesh": _check_mesh,
 }
 
 

@@ -298,7 +298,7 @@ def state_partition_specs(
         return jax.tree.unflatten(
             treedef,
             [
-                _buffer_spec(b, _full(spec, len(p.shape)))
+                buffer_spec(b, full_spec(spec, len(p.shape)))
                 for b, spec, p in zip(buffers, param_specs, leaves, strict=True)
             ],
         )
@@ -306,7 +306,7 @@ def state_partition_specs(
     stack_spec = config.statistics_partition_spec
     if isinstance(stack_spec, jax.sharding.NamedSharding):
         stack_spec = stack_spec.spec
-    stack_spec = PartitionSpec(*_full(stack_spec, 3))
+    stack_spec = PartitionSpec(*full_spec(stack_spec, 3))
     # A tree shaped like a state whose leaves are specs, not arrays.
     return ShampooState(
         count=PartitionSpec(),  # pyright: ignore[reportArgumentType]
@@ -330,13 +330,13 @@ def state_partition_specs(
     )
 
 
-def _full(spec, ndim: int) -> tuple:
+def full_spec(spec, ndim: int) -> tuple:
     """``spec`` as a tuple of ``ndim`` entries (None for the unnamed ones)."""
     spec = tuple(spec or ())
     return spec + (None,) * (ndim - len(spec))
 
 
-def _buffer_spec(buffer, spec: tuple):
+def buffer_spec(buffer, spec: tuple):
     """The spec of a per-parameter buffer whose parameter has ``spec``."""
     if buffer is None:
         return None

@@ -140,6 +140,18 @@ Arguments (of ``distributed_shampoo``; ``scale_by_shampoo`` has all but
         Google's sharded mode does; None (default): only with
         ``shard_optimizer_states``, as Google's code. False with
         ``shard_optimizer_states`` gives the same steps as unsharded.
+    params_partition_specs: keyword only, precond's: a PartitionSpec (or None)
+        per parameter, a pytree like the params. ``init`` (under ``jax.jit``,
+        no ``out_shardings`` needed) places the momentum, grafting momentum
+        and grafting accumulator of each parameter as its spec says, and
+        ``update`` keeps them (and the updates) there; the stacks follow
+        ``statistics_partition_spec`` with ``shard_optimizer_states``, the
+        rest (count, root errors) replicates. None (default): taken from the
+        params' types on a mesh with Explicit axes (``jax.typeof(x).sharding``),
+        else nothing is placed (XLA decides, as Google's code).
+    mesh: keyword only, precond's: the ``jax.sharding.Mesh`` that
+        ``params_partition_specs`` names; None: the context mesh
+        (``jax.set_mesh``).
 
 References:
     V. Gupta, T. Koren, Y. Singer, *Shampoo: Preconditioned Stochastic Tensor
@@ -172,6 +184,7 @@ from precond.jax._shampoo_config import (
     PreconditionerType,
     validated,
 )
+from precond.jax._shampoo_placement import placed_state
 from precond.jax._shampoo_seed import (
     ParameterStats,
     SeedShampooState,
@@ -246,6 +259,8 @@ def scale_by_shampoo(
     separate_grafting_momentum: bool = False,
     quantize_statistics: bool | None = None,
     precondition_with_previous_roots: bool | None = None,
+    params_partition_specs: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Distributed Shampoo's direction v (the module docstring's update, without
     −lr), for ``optax.chain`` with a learning rate, schedule, clip or mask.
@@ -320,16 +335,17 @@ def distributed_shampoo(
     quantize_statistics: bool | None = None,
     sharded_init_fns: bool = True,
     precondition_with_previous_roots: bool | None = None,
+    params_partition_specs: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Distributed Shampoo (Anil et al. 2020), with Google's arguments and defaults.
 
-    ΔW = −lr(t)·v (module docstring), v the direction of :func:`scale_by_shampoo`
-    (see there for when the two agree bit for bit). lr(t) reads the state's own
-    step count: the state stays the seed's :class:`ShampooState` (older
-    checkpoints load; ``scale_by_shampoo``'s is the same). With
-    ``decoupled_learning_rate=False`` lr scales u_g and u_s before momentum
-    instead; ``decoupled_weight_decay`` adds lr·λ·W to v (then −lr·v, as
-    Google's code). The module docstring documents every argument.
+    ΔW = −lr(t)·v (module docstring), v the direction of :func:`scale_by_shampoo` (see
+    there for when the two agree bit for bit). lr(t) reads the state's own step count:
+    the state stays the seed's :class:`ShampooState` (older checkpoints load;
+    ``scale_by_shampoo``'s is the same). With ``decoupled_learning_rate=False`` lr
+    scales u_g and u_s before momentum instead; ``decoupled_weight_decay`` adds lr·λ·W
+    to v (then −lr·v, as Google's code). The module docstring documents every argument.
 
     Returns:
         An optax ``GradientTransformationExtraArgs``; ``update(grads, state,
@@ -347,8 +363,7 @@ def distributed_shampoo(
         >>> import precond.jax as pj
         >>> opt = pj.distributed_shampoo(learning_rate=0.1, block_size=128)
         >>> params = {"w": jnp.ones((4, 3))}
-        >>> state = opt.init(params)
-        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, state, params)
+        >>> updates, state = opt.update(params, opt.init(params), params)
         >>> params = optax.apply_updates(params, updates)
     """
     arguments = dict(locals())
@@ -365,7 +380,9 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
     def update(updates, state, params=None, **extra_args):
         del extra_args  # optax's GradientTransformationExtraArgs contract
         if not sharded_in_types(updates):
-            return shampoo_update(updates, state, params, config)
+            outputs, state = shampoo_update(updates, state, params, config)
+            # The buffers (and the updates) stay where the params are.
+            return placed_state(state, updates, config, outputs)
         # Gradients split over a mesh with Explicit axes (shardings in their
         # types): the step runs under auto_axes, which its reshapes and grams
         # need, and its outputs are sharded as its inputs.
@@ -377,7 +394,9 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
             params,
         )
 
-    init = functools.partial(init_state, config=config)
+    def init(params):
+        return placed_state(init_state(params, config), params, config)[1]
+
     return optax.GradientTransformationExtraArgs(init, update)
 
 
