@@ -16,7 +16,8 @@ Each optimizer shards what it can: Kron splits its factor stacks over the mesh
 (``params_partition_specs``; unit axes inferred), pro along
 ``pipeline_axis_name``, Shampoo its statistics with ``shard_optimizer_states``
 (``statistics_partition_spec`` = ``preconditioner_partition_spec`` =
-P('fsdp', None, None), ``num_devices_for_pjit`` = devices), XMat, LRA and Affine
+P('fsdp', None, None), ``num_devices_for_pjit`` = devices) and its momenta like
+the params (``params_partition_specs``), XMat, LRA and Affine
 their momentum like the params and every factor along its first axis
 (``params_partition_specs``, ``preconditioner_partition_spec`` = P('fsdp')).
 Nothing is trained: update probability 1.
@@ -190,6 +191,8 @@ def _shampoo_kwargs(model: Model, devices: int, mesh: Any) -> dict[str, Any]:
         num_devices_for_pjit=devices,
         shard_optimizer_states=True,
         sharded_init_fns=False,
+        params_partition_specs=param_specs(model),
+        mesh=mesh,
     )
 
 
