@@ -25,6 +25,8 @@ Optimizers (``--optimizers``):
   update-probability schedule ``precond_update_prob_schedule(min_prob=min,
   decay=decay, flat_start=flat)``: every step for ``flat`` steps, then
   exp(−decay·(n − flat)), never below ``min``;
+- ``pro:KEY=VALUE[:KEY=VALUE...]`` (e.g. ``pro:b1=0.9:block_size=128``): ``pro``
+  with those keyword arguments, each value a Python literal;
 - ``dk2-pro``: distributed-kron 2.0.0's ``pro`` (the test oracle, loaded from
   ``.oracles/`` as tests/oracles.py does; see the README's test command), at
   ``pro``'s rate, given the params as a flat dict (it fails on the model's lists).
@@ -41,6 +43,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import pathlib
@@ -54,7 +57,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _rate(text: str) -> tuple[str, float]:
     """``NAME=RATE``: the bench rate of optimizer NAME replaced by RATE."""
-    name, sep, value = text.partition("=")
+    name, sep, value = text.rpartition("=")
     try:
         rate = arguments.positive_float(value)
     except argparse.ArgumentTypeError:
@@ -173,11 +176,22 @@ def _specs(names):
         "dk2-pro": distributed_kron_pro,
     }
 
+    def with_arguments(name):
+        """``pro:KEY=VALUE:...``: pro with those keyword arguments (Python
+        literals, e.g. ``pro:b1=0.9:preconditioner_update_style='QUAD'``)."""
+        pairs = [item.partition("=") for item in name.split(":")[1:]]
+        if not pairs or not all(key and sep for key, sep, _ in pairs):
+            raise SystemExit(f"{name!r} is not of the form pro:KEY=VALUE[:...]")
+        kwargs = {key: ast.literal_eval(value) for key, _, value in pairs}
+        return variant(name, f"precond.jax.pro with {kwargs}", **kwargs)
+
     def spec(name):
         if name in extra:
             return extra[name]()
         if name.startswith(("pro-p", "pro-s")):
             return scheduled(name)
+        if name.startswith("pro:"):
+            return with_arguments(name)
         return OPTIMIZERS[name]
 
     return [spec(n) for n in names]
