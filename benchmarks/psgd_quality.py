@@ -25,8 +25,9 @@ Optimizers (``--optimizers``):
   update-probability schedule ``precond_update_prob_schedule(min_prob=min,
   decay=decay, flat_start=flat)``: every step for ``flat`` steps, then
   exp(−decay·(n − flat)), never below ``min``;
-- ``pro:KEY=VALUE[:KEY=VALUE...]`` (e.g. ``pro:b1=0.9:block_size=128``): ``pro``
-  with those keyword arguments, each value a Python literal;
+- any of the ``pro`` names above followed by ``:KEY=VALUE`` items (e.g.
+  ``pro:b1=0.9``, ``pro-s100-0.01-0.05:block_size=128``): with those keyword
+  arguments of ``pro`` too, each value a Python literal;
 - ``dk2-pro``: distributed-kron 2.0.0's ``pro`` (the test oracle, loaded from
   ``.oracles/`` as tests/oracles.py does; see the README's test command), at
   ``pro``'s rate, given the params as a flat dict (it fails on the model's lists).
@@ -149,49 +150,38 @@ def _specs(names):
             make_torch=None,
         )
 
-    def scheduled(name):
+    def schedule_arguments(base):
         """``pro-p<p>``: a constant update probability p; ``pro-s<flat>-<decay>-<min>``:
-        p = 1 for ``flat`` steps, then exp(−decay·(n − flat)) down to ``min``."""
-        if name.startswith("pro-p"):
-            prob = float(name[len("pro-p") :])
-            return variant(
-                name,
-                f"precond.jax.pro fitting with probability {prob}",
-                preconditioner_update_probability=prob,
-            )
-        flat, decay, floor = (float(x) for x in name[len("pro-s") :].split("-"))
-        return variant(
-            name,
-            f"precond.jax.pro fitting every step for {flat:g} steps, then with "
-            f"probability exp(-{decay:g}(n - {flat:g})) down to {floor:g}",
-            preconditioner_update_probability=pj.precond_update_prob_schedule(
-                min_prob=floor, decay=decay, flat_start=flat
-            ),
+        p = 1 for ``flat`` steps, then exp(−decay·(n − flat)) down to ``min``;
+        ``pro-compact``: draws='compact'; ``pro``: none."""
+        if base == "pro":
+            return {}
+        if base == "pro-compact":
+            return {"draws": "compact"}
+        if base.startswith("pro-p"):
+            return {"preconditioner_update_probability": float(base[len("pro-p") :])}
+        flat, decay, floor = (float(x) for x in base[len("pro-s") :].split("-"))
+        schedule = pj.precond_update_prob_schedule(
+            min_prob=floor, decay=decay, flat_start=flat
         )
+        return {"preconditioner_update_probability": schedule}
 
-    extra = {
-        "pro-compact": lambda: variant(
-            "pro-compact", "precond.jax.pro, draws='compact'", draws="compact"
-        ),
-        "dk2-pro": distributed_kron_pro,
-    }
-
-    def with_arguments(name):
-        """``pro:KEY=VALUE:...``: pro with those keyword arguments (Python
-        literals, e.g. ``pro:b1=0.9:preconditioner_update_style='QUAD'``)."""
-        pairs = [item.partition("=") for item in name.split(":")[1:]]
-        if not pairs or not all(key and sep for key, sep, _ in pairs):
-            raise SystemExit(f"{name!r} is not of the form pro:KEY=VALUE[:...]")
-        kwargs = {key: ast.literal_eval(value) for key, _, value in pairs}
-        return variant(name, f"precond.jax.pro with {kwargs}", **kwargs)
+    def pro_variant(name):
+        """A base name (above), then ``:KEY=VALUE`` keyword arguments of pro
+        (Python literals, e.g. ``pro-s100-0.01-0.05:block_size=128``)."""
+        base, *items = name.split(":")
+        pairs = [item.partition("=") for item in items]
+        if not all(key and sep for key, sep, _ in pairs):
+            raise SystemExit(f"{name!r} is not of the form BASE[:KEY=VALUE...]")
+        kwargs = schedule_arguments(base)
+        kwargs |= {key: ast.literal_eval(value) for key, _, value in pairs}
+        return variant(name, f"precond.jax.pro, {name}", **kwargs)
 
     def spec(name):
-        if name in extra:
-            return extra[name]()
-        if name.startswith(("pro-p", "pro-s")):
-            return scheduled(name)
-        if name.startswith("pro:"):
-            return with_arguments(name)
+        if name == "dk2-pro":
+            return distributed_kron_pro()
+        if name.startswith(("pro-p", "pro-s", "pro-compact", "pro:")):
+            return pro_variant(name)
         return OPTIMIZERS[name]
 
     return [spec(n) for n in names]
