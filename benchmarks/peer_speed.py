@@ -4,7 +4,14 @@ For each pair (precond's optimizer, the original it replaces), built with the
 same arguments (the originals' defaults, float32 everywhere, the same
 preconditioner update probability or root interval):
 
-- ``jax-kron``: ``precond.jax.kron`` vs distributed-kron 1.0.0's ``kron``;
+- ``jax-kron``: ``precond.jax.kron`` vs distributed-kron 1.0.0's ``kron``, both
+  with the same arguments (what a user who changes the import gets: precond's
+  defaults keep each block's own size and merge dims by a balanced rule, where
+  distributed-kron pads every axis to a multiple of ``block_size``);
+- ``jax-kron-same-math``: the same, with precond given ``merge_rule``,
+  ``block_padding`` and ``noise_draws`` ``'distributed_kron'``: distributed-kron's
+  factor shapes, padding and draws, so that both compute the same updates (the
+  parity tests' setting) and the ratio is the implementation's alone;
 - ``torch-kron``: ``precond.torch.Kron`` vs kron-torch 0.1.0's ``Kron``;
 - ``shampoo``: ``precond.jax.distributed_shampoo`` vs Google's (optax-shampoo
   0.0.6's ``distributed_shampoo``), block size 128, at
@@ -15,12 +22,12 @@ workloads' ``init_params``; the same shapes as ``torch_models``' modules), with
 fixed random gradients.
 
 Protocol: each optimizer's update (JAX: ``jax.jit`` with the state donated;
-torch: ``optimizer.step()`` after the gradients are set) runs ``--window`` steps
-per round, the two optimizers of a pair alternating round by round
-(``--rounds``), and the time per step is the median over rounds of each
-round's mean. Kron is measured at update probability 1 (every step fits the
-factors) and at 0.03: there the window holds the fits the optimizer draws, so
-``--window`` (default 200) should cover several. The ratio precond/original is
+torch: ``optimizer.step()`` after the gradients are set) runs a fixed number of steps
+per round (20 at Kron's update probability 1, where every step fits the
+factors; 200 at 0.03, so that a round holds the fits each optimizer draws; 5
+for Shampoo's roots every step, 66 for every 33 steps), the two optimizers of a
+pair alternating round by round (``--rounds``), and the time per step is the
+median over rounds of each round's mean. The ratio precond/original is
 the number issue [6 of 6] sets targets for (≤ 0.5 for Kron, ≤ 0.2 for Shampoo).
 
 The originals are the test oracles (the ``parity`` extra; distributed-kron is
@@ -59,7 +66,7 @@ from benchmarks._common import machine_info
 
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4
-PAIRS = ("jax-kron", "torch-kron", "shampoo")
+PAIRS = ("jax-kron", "jax-kron-same-math", "torch-kron", "shampoo")
 MODELS = ("digits-mlp", "char-lm")
 SHAMPOO_BLOCK = 128
 
@@ -136,7 +143,19 @@ def _kron_arguments(probability: float) -> dict[str, Any]:
     )
 
 
-def jax_kron_pair(model: str, probability: float) -> dict[str, Callable]:
+# precond's keyword-only arguments that make its factor shapes, padding and draws
+# distributed-kron's: the same updates (tests/jax/test_parity_distributed_kron.py).
+DISTRIBUTED_KRON_MATH = dict(
+    merge_rule="distributed_kron",
+    block_padding="distributed_kron",
+    noise_draws="distributed_kron",
+)
+
+
+def jax_kron_pair(
+    model: str, probability: float, same_math: bool = False
+) -> dict[str, Callable]:
+    """With ``same_math``, precond runs with :data:`DISTRIBUTED_KRON_MATH`."""
     from tests import oracles
 
     from precond.jax import kron
@@ -145,8 +164,9 @@ def jax_kron_pair(model: str, probability: float) -> dict[str, Callable]:
     params, grads = _jax_params(model)
     keyed_params, keyed_grads = _dict_keyed(params), _dict_keyed(grads)
     arguments = _kron_arguments(probability)
+    ours = arguments | (DISTRIBUTED_KRON_MATH if same_math else {})
     return {
-        "precond": lambda: jax_stepper(kron(**arguments), params, grads),
+        "precond": lambda: jax_stepper(kron(**ours), params, grads),
         "original": lambda: jax_stepper(
             original.kron(**arguments), keyed_params, keyed_grads
         ),
@@ -200,23 +220,28 @@ def shampoo_pair(model: str, interval: int) -> dict[str, Callable]:
     }
 
 
-def cases(pairs, models) -> list[tuple[str, str, str, Callable]]:
-    """(pair, model, setting, make the pair's steppers) for every case asked."""
+def cases(pairs, models) -> list[tuple[str, str, str, int, Callable]]:
+    """(pair, model, setting, steps per round, make the pair's steppers) for
+    every case asked."""
+    # (label, argument, steps per round): a round of a rare event (a fit at
+    # p = 0.03, a root every 33 steps) holds several of them.
     settings = {
-        "jax-kron": [("p=1", 1.0), ("p=0.03", 0.03)],
-        "torch-kron": [("p=1", 1.0), ("p=0.03", 0.03)],
-        "shampoo": [("roots every 1", 1), ("roots every 33", 33)],
+        "jax-kron": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
+        "jax-kron-same-math": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
+        "torch-kron": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
+        "shampoo": [("roots every 1", 1, 5), ("roots every 33", 33, 66)],
     }
     makers = {
         "jax-kron": jax_kron_pair,
+        "jax-kron-same-math": lambda m, v: jax_kron_pair(m, v, same_math=True),
         "torch-kron": torch_kron_pair,
         "shampoo": shampoo_pair,
     }
     return [
-        (pair, model, label, lambda p=pair, m=model, v=value: makers[p](m, v))
+        (pair, model, label, window, lambda p=pair, m=model, v=value: makers[p](m, v))
         for pair in pairs
         for model in models
-        for label, value in settings[pair]
+        for label, value, window in settings[pair]
     ]
 
 
@@ -246,9 +271,8 @@ def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", default=",".join(PAIRS))
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--window", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="window 10, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="2 short rounds")
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -258,17 +282,18 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    window, rounds = (10, 2) if args.quick else (args.window, args.rounds)
+    rounds = 2 if args.quick else args.rounds
     pairs = [p for p in args.pairs.split(",") if p]
     unknown = sorted(set(pairs) - set(PAIRS))
     if unknown:
         raise SystemExit(f"unknown --pairs {unknown}: choose from {PAIRS}")
-    info = machine_info() | {"torch": torch.__version__, "window": window}
+    info = machine_info() | {"torch": torch.__version__, "rounds": rounds}
     print(json.dumps(info, indent=1))
     print("| pair | model | setting | precond ms | original ms | precond / original |")
     print("|---|---|---|---:|---:|---:|")
     rows = []
-    for pair, model, label, make in cases(pairs, args.models.split(",")):
+    for pair, model, label, window, make in cases(pairs, args.models.split(",")):
+        window = min(window, 3) if args.quick else window
         result = measure_pair(make(), window, rounds)
         ms = result["ms"]
         print(
@@ -276,7 +301,9 @@ def main(argv=None) -> int:
             f"{ms['original']:.2f} | {result['ratio']:.2f} |",
             flush=True,
         )
-        rows.append({"pair": pair, "model": model, "setting": label} | result)
+        rows.append(
+            {"pair": pair, "model": model, "setting": label, "window": window} | result
+        )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"machine": info, "rows": rows}))
     return 0
