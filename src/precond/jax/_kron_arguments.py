@@ -84,11 +84,25 @@ def check_partition_spec(name, value) -> None:
 
 
 def check_mesh(name, value) -> None:
+    """None or a mesh (every JAX optimizer's ``mesh``)."""
     if value is not None and not isinstance(
         value, jax.sharding.Mesh | jax.sharding.AbstractMesh
     ):
-        raise ValueError(
-            f"Invalid {name}={value!r}: must be a jax.sharding.Mesh or None"
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a jax.sharding.Mesh"
+        )
+
+
+def check_partition_specs_tree(name, value) -> None:
+    """None or a pytree of PartitionSpecs (or None), at construction (pro's and
+    Shampoo's ``params_partition_specs``; its structure is checked against the
+    params by ``init``)."""
+    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
+    leaves = jax.tree.leaves(value, is_leaf=is_spec)
+    if value is not None and not all(is_spec(x) for x in leaves):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a pytree of PartitionSpecs "
+            "(or None) like the params"
         )
 
 

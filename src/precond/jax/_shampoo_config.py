@@ -21,6 +21,7 @@ from precond._common.validation import (
     check_int,
     check_real,
 )
+from precond.jax._kron_arguments import check_mesh, check_partition_specs_tree
 
 
 class GraftingType(enum.IntEnum):
@@ -207,27 +208,6 @@ def _check_axis_name(name: str, value) -> None:
         )
 
 
-def _check_params_partition_specs(name: str, value) -> None:
-    """A pytree of PartitionSpecs (or None); its structure is checked against
-    the params by ``init``."""
-    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
-    leaves = jax.tree.leaves(value, is_leaf=is_spec)
-    if value is not None and not all(is_spec(x) for x in leaves):
-        raise TypeError(
-            f"Invalid {name}={value!r}: must be None or a pytree of "
-            "jax.sharding.PartitionSpec (or None) like the params"
-        )
-
-
-def _check_mesh(name: str, value) -> None:
-    if value is not None and not isinstance(
-        value, jax.sharding.Mesh | jax.sharding.AbstractMesh
-    ):
-        raise TypeError(
-            f"Invalid {name}={value!r}: must be None or a jax.sharding.Mesh"
-        )
-
-
 def _check_stack_spec(name: str, value) -> None:
     if value is not None and not isinstance(
         value, PartitionSpec | jax.sharding.Sharding
@@ -289,8 +269,8 @@ ARGUMENT_CHECKS = {
     "sharded_init_fns": check_bool,
     "precondition_with_previous_roots": _optional(check_bool),
     # Keyword-only, precond's (see _shampoo_placement).
-    "params_partition_specs": _check_params_partition_specs,
-    "mesh": _check_mesh,
+    "params_partition_specs": check_partition_specs_tree,
+    "mesh": check_mesh,
 }
 
 

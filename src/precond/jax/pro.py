@@ -60,6 +60,7 @@ from precond.jax import _kron_math as km
 from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
 from precond.jax._blocks import cut, join
 from precond.jax._guards import check_parameter_dtypes, is_params_placeholder
+from precond.jax._kron_arguments import check_partition_specs_tree
 from precond.jax._kron_sharding import is_box
 from precond.jax._psgd_transform import arguments_for, with_auto_axes
 from precond.jax._step_policy import (
@@ -171,16 +172,6 @@ def _check_scanned_layers(name: str, value) -> None:
         )
 
 
-def _check_partition_specs(name: str, value) -> None:
-    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)  # noqa: E731
-    leaves = jax.tree.leaves(value, is_leaf=is_spec)
-    if value is not None and not all(is_spec(x) for x in leaves):
-        raise TypeError(
-            f"Invalid {name}={value!r}: must be None or a pytree of PartitionSpecs "
-            "(or None) like the params"
-        )
-
-
 # Every argument of scale_by_pro (and pro's own, from the alias table), with the
 # check run at construction: Invalid <name>=<value!r>: must be <rule>, in
 # signature order. The arguments precond.torch.Pro takes under the same name and
@@ -201,7 +192,7 @@ PRO_ARGUMENT_CHECKS = {
     "block_size": _SHARED["block_size"],
     "pipeline_axis_name": _check_optional_axis,
     "pipeline_axis_size": lambda n, v: check_int(n, v, low=1),
-    "params_partition_specs": _check_partition_specs,
+    "params_partition_specs": check_partition_specs_tree,
     "noise_scale": _SHARED["noise_scale"],
     "draws": lambda n, v: check_choice(n, v, DRAWS),
     "preconditioner_update_probability": _SHARED["preconditioner_update_probability"],
