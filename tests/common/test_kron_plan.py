@@ -201,25 +201,6 @@ def test_stacks_group_equal_units_pad_to_the_shards_and_skip_empty_parameters():
     assert by_members[(4,)].complex  # complex units stack alone
 
 
-def test_stacks_of_fewer_units_than_shards_split_their_factors_instead():
-    """With split_small_stacks, a stack of fewer units than shards whose block
-    lengths divide by them is not padded (its factors are split); a stack of
-    as many units as shards, or with a length that does not divide, is."""
-    shapes = [(2, 64, 96), (3, 16, 10), (12, 16, 16), (40,)]
-    plans = [plan(s, scanned=len(s) == 3, block_size=128) for s in shapes]
-    stacks = plan_stacks(plans, shapes, units_multiple_of=8, split_small_stacks=True)
-    by_members = {stack.members: stack for stack in stacks}
-    assert by_members[(0,)].split_factors
-    assert len(by_members[(0,)].extents) == by_members[(0,)].real_units == 2
-    assert by_members[(3,)].split_factors  # one diagonal (40,) unit
-    for members, units in (((1,), 8), ((2,), 16)):  # 10 % 8 != 0; 12 >= 8
-        assert not by_members[members].split_factors
-        assert len(by_members[members].extents) == units
-    unsplit = plan_stacks(plans, shapes, units_multiple_of=8)
-    assert not any(stack.split_factors for stack in unsplit)
-    assert all(len(stack.extents) % 8 == 0 for stack in unsplit)
-
-
 def test_a_pro_style_stores_its_packed_cache_dense():
     assert stored_cache("packed", "PRO") == "dense"
     for style in UPDATE_STYLES:

@@ -6,10 +6,7 @@ partitioned. Units of equal block shape and factor structure, from all parameter
 are grouped into *stacks*, so that a single batched program fits or applies all of
 their preconditioners. Blocks on the edge are zero-padded to the full block shape;
 each unit's valid extent per axis keeps that padding inert. A stack split over
-devices is padded with empty units (extent 0) to a multiple of the shards, unless
-it has fewer units than shards and every factor length divides by the shards:
-then each factor is split along its length instead (:func:`splits_factors`), so
-that a stack of 2 units on 8 devices costs each device a quarter unit, not one.
+devices is padded with empty units (extent 0) to a multiple of the shards.
 """
 
 from __future__ import annotations
@@ -71,8 +68,6 @@ class StackPlan(NamedTuple):
     # the noise of a unit is drawn from these, so it is the same however the stack is
     # split; empty padding units get (PADDING_UNIT, i)
     complex: bool = False  # units of complex parameters (complex factors)
-    split_factors: bool = False  # each factor is split along its last axis over
-    # the shards, instead of the units (no padding units: see splits_factors)
 
     @property
     def real_units(self) -> int:
@@ -208,35 +203,14 @@ def seed_factor_sizes(plan: TensorPlan, blocked: bool, block_size: int) -> list[
     ]
 
 
-def splits_factors(units: int, block_shape: tuple[int, ...], shards: int) -> bool:
-    """Whether a stack of ``units`` units of ``block_shape`` over ``shards``
-    devices splits each factor along its length rather than its units: it has
-    fewer units than shards (padding them to one per shard would leave each
-    device a whole unit), and every factor length divides evenly by the shards
-    (an uneven split would be replicated by jit, and padded factor rows would
-    change the math).
-
-    Example:
-        >>> splits_factors(2, (64, 96), 8), splits_factors(2, (64, 10), 8)
-        (True, False)
-    """
-    return 0 < units < shards and all(b % shards == 0 for b in block_shape)
-
-
 def plan_stacks(
-    plans: Sequence[TensorPlan],
-    shapes: Sequence[tuple],
-    units_multiple_of: int = 1,
-    *,
-    split_small_stacks: bool = False,
+    plans: Sequence[TensorPlan], shapes: Sequence[tuple], units_multiple_of: int = 1
 ) -> list[StackPlan]:
     """Groups the units of all parameters by (block shape, factor structure, real
     or complex).
 
     Parameters with no entries have no units and belong to no stack. Each stack
-    is padded with empty units to a multiple of ``units_multiple_of`` (the
-    shards), except, with ``split_small_stacks``, a stack that
-    :func:`splits_factors` over them (marked ``split_factors``, no padding).
+    is padded with empty units to a multiple of ``units_multiple_of``.
     """
     groups: dict[tuple, list[int]] = {}
     for index, plan in enumerate(plans):
@@ -252,11 +226,7 @@ def plan_stacks(
             np.stack([np.full(len(e), i), np.arange(len(e))], axis=1)
             for i, e in zip(members, extents, strict=True)
         ]
-        units = sum(map(len, extents))
-        split = split_small_stacks and splits_factors(
-            units, block_shape, units_multiple_of
-        )
-        padding = 0 if split else -units % units_multiple_of
+        padding = -sum(map(len, extents)) % units_multiple_of
         extents.append(np.zeros((padding, len(block_shape)), np.int32))
         ids.append(
             np.stack([np.full(padding, PADDING_UNIT), np.arange(padding)], axis=1)
@@ -269,7 +239,6 @@ def plan_stacks(
                 np.concatenate(extents).astype(np.int32),
                 np.concatenate(ids).astype(np.int32),
                 complex_units,
-                split,
             )
         )
     return stacks

@@ -18,7 +18,6 @@ from typing import NamedTuple
 import numpy as np
 
 from precond._common.blocking import Region, axis_segments, grid_regions
-from precond._common.kron_plan import splits_factors
 
 BALANCE_EVERY = 100  # steps between rebalancing a block's two factors
 # Each tensor's update is clipped to RMS kron_constants.MAX_UPDATE_RMS, Kron's rule.
@@ -72,8 +71,6 @@ class _Stack(NamedTuple):
     regions: tuple[_Region, ...]
     key_index: np.ndarray  # per unit (padding included): index in its stream
     padding: int  # units added so the stack splits evenly over the pipeline axis
-    split_factors: bool = False  # each factor is split along its last axis over
-    # the pipeline axis instead of the units (fewer units than its size)
 
 
 class _Plan(NamedTuple):
@@ -142,21 +139,13 @@ def _leaf_regions(leaf, merged, blocked):
     return regions, grid
 
 
-def _stacks(
-    groups: dict, pipeline_size: int, split_small_stacks: bool
-) -> tuple[_Stack, ...]:
+def _stacks(groups: dict, pipeline_size: int) -> tuple[_Stack, ...]:
     """One stack per group of equal blocks, padded (but the vectors') to a
-    multiple of the pipeline size; with ``split_small_stacks``, a stack of
-    fewer blocks than the pipeline size whose sides divide by it is not padded
-    but splits its factors (:func:`~precond._common.kron_plan.splits_factors`)."""
+    multiple of the pipeline size."""
     stacks = []
     for (stream, diagonal, shape, draw_shape), members in groups.items():
         key_index = np.concatenate([index for _, index in members])
-        split = split_small_stacks and splits_factors(
-            len(key_index), shape, pipeline_size
-        )
         padding = 0 if stream[0] == "vector" else -len(key_index) % pipeline_size
-        padding = 0 if split else padding
         stacks.append(
             _Stack(
                 stream=stream,
@@ -166,7 +155,6 @@ def _stacks(
                 regions=tuple(region for region, _ in members),
                 key_index=np.concatenate([key_index, np.zeros(padding, int)]),
                 padding=padding,
-                split_factors=split,
             )
         )
     return tuple(stacks)
@@ -178,15 +166,12 @@ def _plan(
     max_size_dense: int,
     block_size: int,
     pipeline_size: int,
-    *,
-    split_small_stacks: bool = False,
 ) -> _Plan:
     """The layout of parameters of ``shapes`` (a leading layer axis where
     ``scanned``): per leaf its layer count and merged shape, the stacks of
     equal blocks, and the size of each key stream (distributed-kron 2.0's:
     one 'dense' stream shared by all blocks with two dense sides, one stream
-    per other parameter). ``split_small_stacks``: see :func:`_stacks` (the key
-    streams keep distributed-kron's padding either way)."""
+    per other parameter)."""
     batch, merged_shapes = [], []
     groups: dict[tuple, list] = {}  # (stream, diagonal, shape, draw) -> regions
     stream_sizes: dict = {}
@@ -223,8 +208,5 @@ def _plan(
         if stream == "dense" or stream[0] != "vector":
             stream_sizes[stream] += -stream_sizes[stream] % pipeline_size
     return _Plan(
-        tuple(batch),
-        tuple(merged_shapes),
-        _stacks(groups, pipeline_size, split_small_stacks),
-        stream_sizes,
+        tuple(batch), tuple(merged_shapes), _stacks(groups, pipeline_size), stream_sizes
     )

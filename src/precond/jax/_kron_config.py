@@ -147,11 +147,9 @@ def _scanned_flags(config: KronConfig, tree: Any, leaf_count: int) -> list:
     return per_parameter(flags, tree, "scanned_layers")
 
 
-def plan_tree(
-    config: KronConfig, tree: Any, sharding: ShardingPlan | None = None
-) -> TreePlan:
+def plan_tree(config: KronConfig, tree: Any) -> TreePlan:
     """The treedef of ``tree``, a plan per leaf, the stacks of their units, and
-    where they live on the mesh (``sharding``, or the config's plan of it)."""
+    where they live on the mesh."""
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     flags = _scanned_flags(config, tree, len(leaves_with_paths))
     plans = [
@@ -171,17 +169,14 @@ def plan_tree(
         )
         for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
     ]
-    if sharding is None:
-        sharding = plan_sharding(
-            tree,
-            params_partition_specs=config.params_partition_specs,
-            preconditioner_partition_spec=config.preconditioner_partition_spec,
-            mesh=config.mesh,
-        )
-    shapes = [x.shape for _, x in leaves_with_paths]
-    stacks = layout.plan_stacks(
-        plans, shapes, units_multiple_of=sharding.shards, split_small_stacks=True
+    sharding = plan_sharding(
+        tree,
+        params_partition_specs=config.params_partition_specs,
+        preconditioner_partition_spec=config.preconditioner_partition_spec,
+        mesh=config.mesh,
     )
+    shapes = [x.shape for _, x in leaves_with_paths]
+    stacks = layout.plan_stacks(plans, shapes, units_multiple_of=sharding.shards)
     return TreePlan(treedef, plans, stacks, sharding)
 
 

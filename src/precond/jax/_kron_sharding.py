@@ -3,12 +3,9 @@
 Momentum follows its parameter. Preconditioner factors live in stacks of equal
 units (see ``_kron_layout``), and every stack is split along its unit axis over
 the *unit axes* of the mesh, so that each device holds and fits about 1/N of the
-factors and a unit's kernels never communicate. A stack of fewer units than
-shards whose factor lengths divide by them splits each factor along its last
-axis instead (``StackPlan.split_factors``; XLA's partitioner then moves what
-the kernels need), so that it too costs each device 1/N. The unit axes are the
-mesh axes named in ``preconditioner_partition_spec``, or else every mesh axis
-that shards a parameter (in the order the parameter specs first name them).
+factors and a unit's kernels never communicate. The unit axes are the mesh axes
+named in ``preconditioner_partition_spec``, or else every mesh axis that shards a
+parameter (in the order the parameter specs first name them).
 
 Parameter shardings come, in this order, from ``params_partition_specs``, from
 boxed parameters (flax ``nn.Partitioned``), or from the parameters' types (explicit
@@ -24,8 +21,6 @@ from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-
-from precond._common.kron_plan import StackPlan
 
 
 class ShardingPlan(NamedTuple):
@@ -48,27 +43,8 @@ class ShardingPlan(NamedTuple):
         """Spec of a stack of units (units, ...): split along the unit axis."""
         if not self.unit_axes:
             return PartitionSpec()
-        return PartitionSpec(self._unit_entry)
-
-    @property
-    def _unit_entry(self) -> str | tuple[str, ...]:
         axes = self.unit_axes
-        return axes[0] if len(axes) == 1 else axes
-
-    def unit_spec(self, stack: StackPlan) -> PartitionSpec:
-        """Spec of a stack's per-unit arrays (units, ...): split along the unit
-        axis, or replicated where the stack splits its factors instead (it has
-        fewer units than shards)."""
-        return PartitionSpec() if stack.split_factors else self.stack_spec
-
-    def factor_spec(self, stack: StackPlan, ndim: int) -> PartitionSpec:
-        """Spec of one of a stack's factor arrays, with ``ndim`` dims: split along
-        the unit axis, or along the last axis (the factor's length, which
-        divides evenly: ``splits_factors``) for a stack that splits its
-        factors."""
-        if not stack.split_factors or not self.unit_axes:
-            return self.stack_spec
-        return PartitionSpec(*([None] * (ndim - 1)), self._unit_entry)
+        return PartitionSpec(axes[0] if len(axes) == 1 else axes)
 
     def constrain(self, x: jax.Array, spec: PartitionSpec | None) -> jax.Array:
         """``x`` with the sharding ``spec`` (a no-op without a mesh or spec)."""

@@ -137,51 +137,34 @@ def _leafless_state(config: KronConfig, params: Any) -> KronState:
     )
 
 
-def _factor_ndims(config: KronConfig, stacks: list[StackPlan]) -> tuple:
-    """A pytree shaped like ``KronState.preconditioners`` whose leaves are the
-    factors' numbers of dims: (units, b) diagonal, by the cache layout otherwise."""
-    matrix = 4 if config.cache == "dense" else 3
-    return tuple(
-        tuple(2 if diagonal else matrix for diagonal in stack.diagonal)
-        for stack in stacks
-    )
+def _factor_structure(stacks: list[StackPlan]) -> tuple:
+    """A pytree shaped like ``KronState.preconditioners`` (one leaf per factor)."""
+    return tuple(tuple(0 for _ in stack.block_shape) for stack in stacks)
 
 
 def partition_specs(
     sharding: ShardingPlan,
     treedef: Any,
-    stacks: list[StackPlan],
-    factor_ndims: Any,
+    factors: Any,
     keep_momentum: bool,
     lipschitz: bool,
 ) -> KronState:
     """The PartitionSpec of every leaf of a KronState: momentum like its parameter,
-    factor stacks split along their unit axis (or each factor along its last
-    axis, for a stack that ``split_factors``), their Lipschitz estimates (if
-    ``lipschitz``) like their units, counters replicated. ``factor_ndims`` is
-    shaped like the state's preconditioners, with each factor's number of dims
-    as its leaves (a state with no parameters has one leaf, not a tuple)."""
+    factor stacks (and their Lipschitz estimates, if ``lipschitz``) split along
+    their unit axis, counters replicated. ``factors`` is any pytree shaped like the
+    state's preconditioners."""
     param_specs = sharding.param_specs
     if param_specs is None:
         param_specs = [PartitionSpec()] * treedef.num_leaves
-    if isinstance(factor_ndims, tuple):
-        factors = tuple(
-            tuple(sharding.factor_spec(stack, ndim) for ndim in ndims)
-            for stack, ndims in zip(stacks, factor_ndims, strict=True)
-        )
-        units = tuple(
-            tuple(sharding.unit_spec(stack) for _ in ndims)
-            for stack, ndims in zip(stacks, factor_ndims, strict=True)
-        )
-    else:
-        factors = units = jax.tree.map(lambda _: sharding.stack_spec, factor_ndims)
     # A tree shaped like a state whose leaves are specs, not arrays.
     return KronState(
         count=PartitionSpec(),  # pyright: ignore[reportArgumentType]
         mu=treedef.unflatten(param_specs) if keep_momentum else None,
-        preconditioners=factors,
+        preconditioners=jax.tree.map(lambda _: sharding.stack_spec, factors),
         update_counter=PartitionSpec(),  # pyright: ignore[reportArgumentType]
-        lipschitz=units if lipschitz else None,
+        lipschitz=(
+            jax.tree.map(lambda _: sharding.stack_spec, factors) if lipschitz else None
+        ),
     )
 
 
@@ -190,8 +173,7 @@ def state_specs(config: KronConfig, tree: TreePlan) -> KronState:
     return partition_specs(
         tree.sharding,
         tree.treedef,
-        tree.stacks,
-        _factor_ndims(config, tree.stacks),
+        _factor_structure(tree.stacks),
         config.keep_momentum,
         config.generation_2,
     )
@@ -216,9 +198,7 @@ def _init_stack(
                 config, (scale * jnp.eye(size, dtype=precond_dtype)).astype(dtype)
             )
         factor = jnp.broadcast_to(factor, (units, *factor.shape))
-        factors.append(
-            sharding.constrain(factor, sharding.factor_spec(stack, factor.ndim))
-        )
+        factors.append(sharding.constrain(factor, sharding.stack_spec))
     return tuple(factors)
 
 
@@ -241,7 +221,7 @@ def _initial_lipschitz(config: KronConfig, tree: TreePlan) -> tuple | None:
     return tuple(
         tuple(
             sharding.constrain(
-                jnp.zeros(len(s.extents), jnp.float32), sharding.unit_spec(s)
+                jnp.zeros(len(s.extents), jnp.float32), sharding.stack_spec
             )
             for _ in s.block_shape
         )

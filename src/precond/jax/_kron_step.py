@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from precond._common.kron_constants import BALANCE_PROBABILITY, MAX_UPDATE_RMS
-from precond._common.kron_plan import StackPlan, seed_factor_sizes
+from precond._common.kron_plan import seed_factor_sizes
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
 from precond.jax._guards import all_finite, check_state_matches, gradients_are_usable
@@ -68,22 +68,15 @@ class _Step(NamedTuple):
 # ------------------------------------------------------------------ stacks
 
 
-def _over_units(
-    config: KronConfig,
-    fn: Callable,
-    sharding: ShardingPlan,
-    stack: StackPlan,
-    *stacked,
-):
-    """``fn`` applied to every unit of ``stack`` (vmap, or lax.map in batches).
+def _over_units(config: KronConfig, fn: Callable, sharding: ShardingPlan, *stacked):
+    """``fn`` applied to every unit of a stack (vmap, or lax.map in batches).
 
-    A stack split along its units is mapped shard by shard (a vmap over the
-    shards of a lax.map over each shard's units), so that no device waits on
-    another; one that splits its factors instead is mapped whole.
+    A sharded stack is mapped shard by shard (a vmap over the shards of a
+    lax.map over each shard's units), so that no device waits on another.
     """
     if not config.lax_map_scanned_layers:
         return jax.vmap(fn)(*stacked)
-    shards = 1 if stack.split_factors else sharding.shards
+    shards = sharding.shards
 
     def local_map(*xs):
         return jax.lax.map(lambda xs: fn(*xs), xs, batch_size=config.lax_map_batch_size)
@@ -112,10 +105,9 @@ def _stacked(config: KronConfig, step: _Step, tensors: list) -> list[jax.Array]:
     # blocks only by full rematerialisation, and gathering is cheaper and
     # predictable (see BENCHMARKS.md, kron_sharded).
     views = [sharding.constrain(v, PartitionSpec()) for v in views]
-    stacked = layout.to_stacks(views, tree.plans, tree.stacks)
     return [
-        sharding.constrain(x, sharding.unit_spec(stack))
-        for x, stack in zip(stacked, tree.stacks, strict=True)
+        sharding.constrain(x, sharding.stack_spec)
+        for x in layout.to_stacks(views, tree.plans, tree.stacks)
     ]
 
 
@@ -159,10 +151,7 @@ def _seed_layout_draws(
         lambda n, stack, like: jnp.zeros((n, *stack.block_shape), like.dtype),
     )
     sharding = step.sharding
-    return balance, [
-        sharding.constrain(V, sharding.unit_spec(stack))
-        for V, stack in zip(stacked_noise, step.tree.stacks, strict=True)
-    ]
+    return balance, [sharding.constrain(V, sharding.stack_spec) for V in stacked_noise]
 
 
 def _damping_scale(config: KronConfig, x: jax.Array, plan, lead) -> jax.Array:
@@ -280,10 +269,9 @@ def _fit_stack(config: KronConfig, step: _Step, index: int, inputs, draws, newto
     sharding = step.sharding
     stack = step.tree.stacks[index]
     factors, lipschitz, G, V, damping = inputs
-    unit_spec = sharding.unit_spec(stack)
-    ids = sharding.constrain(jnp.asarray(stack.unit_ids), unit_spec)
-    extents = sharding.constrain(jnp.asarray(stack.extents), unit_spec)
-    damping = sharding.constrain(damping, unit_spec)
+    ids = sharding.constrain(jnp.asarray(stack.unit_ids), sharding.stack_spec)
+    extents = sharding.constrain(jnp.asarray(stack.extents), sharding.stack_spec)
+    damping = sharding.constrain(damping, sharding.stack_spec)
 
     def fit(factors, lipschitz, G, ids, extent, damping, *newton_V):
         V = newton_V[0] if newton_V else None
@@ -293,14 +281,10 @@ def _fit_stack(config: KronConfig, step: _Step, index: int, inputs, draws, newto
 
     unit_inputs = (tuple(factors), lipschitz, G, ids, extents, damping)
     newton_V = () if V is None else (V,)
-    fitted, lipschitz = _over_units(
-        config, fit, sharding, stack, *unit_inputs, *newton_V
-    )
-    fitted = tuple(
-        sharding.constrain(F, sharding.factor_spec(stack, F.ndim)) for F in fitted
-    )
+    fitted, lipschitz = _over_units(config, fit, sharding, *unit_inputs, *newton_V)
+    fitted = tuple(sharding.constrain(F, sharding.stack_spec) for F in fitted)
     if lipschitz is not None:
-        lipschitz = tuple(sharding.constrain(L, unit_spec) for L in lipschitz)
+        lipschitz = tuple(sharding.constrain(L, sharding.stack_spec) for L in lipschitz)
     return fitted, lipschitz
 
 
@@ -444,14 +428,10 @@ def _precondition_stacks(config: KronConfig, step: _Step, all_factors, G_stacks)
     ):
         return [
             sharding.constrain(
-                _over_units(
-                    config, precondition_unit, sharding, stack, tuple(factors), G
-                ),
-                sharding.unit_spec(stack),
+                _over_units(config, precondition_unit, sharding, tuple(factors), G),
+                sharding.stack_spec,
             )
-            for factors, G, stack in zip(
-                all_factors, G_stacks, step.tree.stacks, strict=True
-            )
+            for factors, G in zip(all_factors, G_stacks, strict=True)
         ]
 
 

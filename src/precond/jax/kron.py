@@ -62,13 +62,9 @@ Arguments (of ``scale_by_kron``; ``kron`` adds ``learning_rate``,
         stack along its leading (unit) axis over all the axes named here
         (padding it with empty units to a multiple of their size), so each
         device holds and fits whole factors of 1/N of the blocks and the
-        kernels never communicate. A stack of fewer units than those axes'
-        devices whose factor lengths divide by their number is not padded:
-        each of its factors is split along its last axis instead (XLA moves
-        what its kernels need), so it too costs each device 1/N. Default:
-        every mesh axis that shards a parameter. Use
-        ``partition_grads_into_blocks`` so that large layers give many units
-        to spread.
+        kernels never communicate. Default: every mesh axis that shards a
+        parameter. Use ``partition_grads_into_blocks`` so that large layers
+        give many units to spread.
     mesh: the mesh that the partition specs refer to. Default: the context
         mesh (``with jax.set_mesh(mesh):``) or, on an explicit mesh, the one
         in the params' types.
@@ -389,12 +385,7 @@ def get_opt_state_partition_specs(
 
     For ``jax.jit(..., out_shardings=...)`` or a checkpointer's restore targets:
     momentum follows its parameter, every stack of factors is split along its unit
-    axis (see ``preconditioner_partition_spec``), everything else is replicated;
-    a stack with fewer units than the unit axes' devices whose factor lengths
-    divide by their number splits each factor along its last axis instead (its
-    Lipschitz estimates replicated). That needs the mesh's sizes: pass ``mesh``
-    or call under ``jax.set_mesh``; without a mesh every stack is described as
-    split along its unit axis.
+    axis (see ``preconditioner_partition_spec``), everything else is replicated.
     ``params`` may be arrays or ``jax.ShapeDtypeStruct``s. On an explicit mesh,
     ``jax.eval_shape(optimizer.init, params)`` carries the same shardings.
 
@@ -431,18 +422,12 @@ def get_opt_state_partition_specs(
     )
     shapes = jax.eval_shape(factory(**unsharded).init, params)
     treedef = jax.tree.structure(params)
-    # Which stacks split their factors depends on the shards (of the mesh, if
-    # one is known): the stacks as planned on it.
-    stacks = []
-    if jax.tree.leaves(params):
-        stacks = plan_tree(_core_config(kwargs), params, sharding).stacks
 
     def kron_specs(state: KronState) -> KronState:
         return partition_specs(
             sharding,
             treedef,
-            stacks,
-            jax.tree.map(lambda x: x.ndim, state.preconditioners),
+            state.preconditioners,
             keep_momentum=state.mu is not None,
             lipschitz=state.lipschitz is not None,
         )

@@ -287,22 +287,6 @@ def _constrain(x, spec):
     return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
 
-def _unit_spec(stack: _Stack, pipeline_spec) -> PartitionSpec | None:
-    """Spec of a stack's per-unit arrays (units, ...): along the pipeline axis,
-    replicated where the stack splits its factors instead."""
-    if pipeline_spec is None or not stack.split_factors:
-        return pipeline_spec
-    return PartitionSpec()
-
-
-def _factor_spec(stack: _Stack, ndim: int, pipeline_spec) -> PartitionSpec | None:
-    """Spec of a factor stack with ``ndim`` dims: split along its unit axis, or
-    along its last (a side's length) where the stack splits its factors."""
-    if pipeline_spec is None or not stack.split_factors:
-        return pipeline_spec
-    return PartitionSpec(*([None] * (ndim - 1)), *pipeline_spec)
-
-
 def _init_factors(plan: _Plan, dtype, init_scale: float, pipeline_spec) -> tuple:
     """(factors, lipschitz) per stack: Q = init_scale·I per side (a vector of
     init_scale for a diagonal side), Lipschitz estimates 0."""
@@ -313,12 +297,11 @@ def _init_factors(plan: _Plan, dtype, init_scale: float, pipeline_spec) -> tuple
         for d, diag in zip(stack.shape, stack.diagonal, strict=True):
             one = jnp.ones(d, dtype) if diag else jnp.eye(d, dtype=dtype)
             Q = jnp.broadcast_to(init_scale * one, (units, *one.shape)).astype(dtype)
-            sides.append(_constrain(Q, _factor_spec(stack, Q.ndim, pipeline_spec)))
+            sides.append(_constrain(Q, pipeline_spec))
         factors.append(tuple(sides))
-        unit_spec = _unit_spec(stack, pipeline_spec)
         lipschitz.append(
             tuple(
-                _constrain(jnp.zeros(units, jnp.float32), unit_spec)
+                _constrain(jnp.zeros(units, jnp.float32), pipeline_spec)
                 for _ in stack.shape
             )
         )
@@ -387,7 +370,7 @@ def _unit_keys(stack: _Stack, stream_size: int, count, pipeline_spec) -> jax.Arr
     step_key(stream seed, count) (distributed-kron 2.0.0's draws)."""
     name = stack.stream if stack.stream == "dense" else stack.stream[0]
     stream_keys = jax.random.split(step_key(_STREAM_SEEDS[name], count), stream_size)
-    return _constrain(stream_keys[stack.key_index], _unit_spec(stack, pipeline_spec))
+    return _constrain(stream_keys[stack.key_index], pipeline_spec)
 
 
 def _fit_stack(stack, keys, factors, lipschitz, G, balance, do_fit, recipe):
@@ -431,15 +414,12 @@ def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, recipe):
         plan.stacks, state.factors, state.lipschitz, strict=True
     ):
         keys = _unit_keys(stack, plan.stream_sizes[stack.stream], count, spec)
-        unit_spec = _unit_spec(stack, spec)
-        G = _constrain(_stack_input(stack, views), unit_spec)
+        G = _constrain(_stack_input(stack, views), spec)
         fitted, fitted_lipschitz, PG = _fit_stack(
             stack, keys, factors, lipschitz, G, balance, do_fit, recipe
         )
-        new_factors.append(
-            tuple(_constrain(Q, _factor_spec(stack, Q.ndim, spec)) for Q in fitted)
-        )
-        new_lipschitz.append(tuple(_constrain(L, unit_spec) for L in fitted_lipschitz))
+        new_factors.append(tuple(_constrain(Q, spec) for Q in fitted))
+        new_lipschitz.append(tuple(_constrain(L, spec) for L in fitted_lipschitz))
         start = 0
         for region in stack.regions:
             B = plan.batch[region.leaf]
@@ -523,9 +503,6 @@ def _plan_for(leaves, treedef, recipe: _Recipe) -> _Plan:
         recipe.max_size_dense,
         recipe.block_size,
         recipe.pipeline_axis_size,
-        # Only stacks split over a named axis trade their padding for split
-        # factors (without one, the state keeps distributed-kron's shapes).
-        split_small_stacks=recipe.pipeline_spec is not None,
     )
 
 
@@ -606,9 +583,7 @@ def scale_by_pro(
             leading layer axis (each layer gets its own factors).
         block_size: length of the blocks a dense side is split into.
         pipeline_axis_name: a mesh axis the factor stacks are split along.
-        pipeline_axis_size: that axis's size (stacks are padded to its multiple;
-            with ``pipeline_axis_name``, a stack of fewer blocks than it whose
-            sides divide by it splits each factor along its last axis instead).
+        pipeline_axis_size: that axis's size (stacks are padded to its multiple).
         params_partition_specs: the params' PartitionSpecs (momentum and the
             update follow them).
         noise_scale: δ, the floor of the damping noise's scale.
@@ -691,9 +666,6 @@ def pro_opt_state_partition_specs(params, **pro_kwargs):
     ``jax.jit(..., out_shardings=...)``: the momentum follows
     ``params_partition_specs`` (replicated without them), factor stacks are split
     along ``pipeline_axis_name`` (replicated without it), the count replicated.
-    A stack of fewer blocks than ``pipeline_axis_size`` whose sides divide by it
-    is not padded with empty blocks but splits each factor along its last axis
-    (its Lipschitz estimates replicated), so that it too costs each device 1/N.
     As distributed-kron 2.0's ``get_opt_state_partition_specs`` (a tuple of the
     chain's states; None for the stateless decay and learning rate).
 
@@ -714,33 +686,21 @@ def pro_opt_state_partition_specs(params, **pro_kwargs):
     }
     axis = core.pop("pipeline_axis_name", None)
     param_specs = core.pop("params_partition_specs", None)
-    # The shapes (traced without a mesh) have the sharded state's structure.
     shapes = jax.eval_shape(scale_by_pro(**core).init, params)
+
+    def stack_spec(x):
+        return PartitionSpec() if axis is None else PartitionSpec(axis)
+
     leaves, treedef, _ = _unboxed(params)
     mu = None
     if shapes.mu is not None:
         mu = param_specs or treedef.unflatten([PartitionSpec()] * len(leaves))
-    spec = PartitionSpec() if axis is None else PartitionSpec(axis)
-    factors = jax.tree.map(lambda _: spec, shapes.factors)
-    lipschitz = jax.tree.map(lambda _: spec, shapes.lipschitz)
-    if axis is not None and isinstance(shapes.factors, tuple):
-        bound = inspect.signature(scale_by_pro).bind(**core, pipeline_axis_name=axis)
-        bound.apply_defaults()
-        stacks = _plan_for(leaves, treedef, _recipe(bound.arguments)).stacks
-        factors = tuple(
-            tuple(_factor_spec(stack, Q.ndim, spec) for Q in sides)
-            for stack, sides in zip(stacks, shapes.factors, strict=True)
-        )
-        lipschitz = tuple(
-            tuple(_unit_spec(stack, spec) for _ in sides)
-            for stack, sides in zip(stacks, shapes.lipschitz, strict=True)
-        )
     # A tree shaped like a state whose leaves are specs, not arrays.
     specs = ProState(
         count=PartitionSpec(),  # pyright: ignore[reportArgumentType]
         mu=mu,
-        factors=factors,
-        lipschitz=lipschitz,
+        factors=jax.tree.map(stack_spec, shapes.factors),
+        lipschitz=jax.tree.map(stack_spec, shapes.lipschitz),
         update_counter=PartitionSpec(),  # pyright: ignore[reportArgumentType]
     )
     weight_decay = pro_kwargs.get("weight_decay", 0.1)
