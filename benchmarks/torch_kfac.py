@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import statistics
@@ -50,12 +49,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from precond.bench.report import write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.torch.spawned import init_gloo
+
 from precond.torch.kfac import KFAC
 
 EXAMPLE_PATH = Path(__file__).resolve().parents[1] / "examples" / "torch_kfac_digits.py"
 STRATEGIES = ("comm-opt", "hybrid-opt", "mem-opt")
 KINDS = ("factors", "second_order", "gradients")
-COLLECTIVE_TIMEOUT_S = 120
 
 
 def example():
@@ -96,14 +98,7 @@ def timing_worker(rank, world_size, init_file, out_dir, variants, warmup, steps)
     stepped in interleaved rounds; writes rank{r}.json (or rank{r}.err)."""
     out = Path(out_dir)
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        init_gloo(rank, world_size, init_file)
         ex, defaults = example(), example_defaults()
         x_train, y_train, _, _ = ex.load_split()
         runs = {}
