@@ -7,11 +7,20 @@ cases one after the other, each rank saving ``rank{r}-{case}.pt``; the parent
 then checks every case against its oracle and fails naming each case that
 failed or did not finish, with the tracebacks of the ranks that raised. A
 whole run that outlives ``RUN_TIMEOUT_S`` is killed.
+
+A rank that finished every case frees what the cases left (FSDP2's modules
+and meshes hold the process group in reference cycles), leaves the group and
+ends with ``os._exit(0)``: interpreter finalization would destroy torch's
+remaining C++ objects (gloo's worker threads among them) in no set order, and
+on a loaded CI machine that once aborted a rank (SIGABRT, "terminate called
+without an active exception") after all its cases had been saved.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -58,12 +67,16 @@ def run_cases(rank, world_size, init_file, out_dir, case_names, run_case: RunCas
             result = run_case(case_name, rank, world_size, out)
             torch.save(result, out / f"rank{rank}-{case_name}.pt")
             dist.barrier()
+        case_name = "destroy_process_group"
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         (out / f"rank{rank}.err").write_text(
             f"in case {case_name}:\n{traceback.format_exc()}"
         )
         raise
+    os._exit(0)  # every result saved: skip finalization (module docstring)
 
 
 def spawn(fn, args, nprocs, out_dir):
