@@ -5,7 +5,10 @@ L_t(θ) = Σ ½ d⊙θ² + n_t⊙θ (so g_t = d⊙θ + n_t: fixed curvature d, f
 n_t each step, all drawn from the seed), takes ``STEPS`` steps and returns the
 final parameters θ_T and the last update u_T for each of ``SEEDS``. Torch's K-FAC
 cases train a tiny MLP on fixed inputs instead. ``tests/test_trajectories.py``
-asserts that they equal the recordings in ``tests/data/trajectories`` bit for bit.
+asserts that they equal the recordings in ``tests/data/trajectories`` bit for bit
+on the machine kind they were recorded on (:func:`machine`: the CPU's vendor and
+vector extensions, which XLA's code generation and torch's kernels choose by),
+and to ``CROSS_MACHINE_RTOL`` on any other.
 
 Record (one file per case, so re-recording a deliberate change is one command)::
 
@@ -24,6 +27,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import platform
 from collections.abc import Callable
 
 import jax
@@ -422,6 +426,32 @@ def environment() -> str:
     )
 
 
+# On another CPU kind the same code rounds differently (XLA and torch pick their
+# kernels by the vector extensions): measured 2026-11-27, recordings of an Intel
+# Xeon replayed on an AMD EPYC (AVX-512), 17 of 63 cases differed, by at most
+# 1.8e-5 of the array's largest entry (torch_pro) and 4.8e-7 absolute. Ten times
+# that still fails any change of the math itself.
+CROSS_MACHINE_RTOL = 2e-4
+
+# The CPU features that decide which kernels run.
+_KERNEL_FEATURES = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def machine() -> str:
+    """The kind of CPU the numbers were made on: its vendor and the vector
+    extensions of ``_KERNEL_FEATURES`` it has (Linux; elsewhere the platform's
+    name)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() or "unknown"
+    fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.split() for k, v in fields.items()}
+    vendor = " ".join(fields.get("vendor_id", ["unknown"]))
+    features = [f for f in _KERNEL_FEATURES if f in fields.get("flags", [])]
+    return " ".join([vendor, *features])
+
+
 def record(names: list[str]) -> None:
     """Writes the recordings of ``names`` (all cases when empty)."""
     unknown = sorted(set(names) - set(CASES))
@@ -431,7 +461,10 @@ def record(names: list[str]) -> None:
     for name in names or list(CASES):
         arrays = CASES[name].run()
         np.savez_compressed(
-            recording_path(name), environment=np.array(environment()), **arrays
+            recording_path(name),
+            environment=np.array(environment()),
+            machine=np.array(machine()),
+            **arrays,
         )
         print(f"recorded {recording_path(name)}")
 
