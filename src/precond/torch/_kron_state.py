@@ -4,6 +4,7 @@ state, the buckets of equal work, and the checks of a saved state."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import Any
@@ -59,6 +60,18 @@ def _skew_rule(
     )
 
 
+# The group entries a parameter's factor plan depends on.
+_PLAN_OPTIONS = (
+    "merge_dims",
+    "memory_save_mode",
+    "max_size_triangular",
+    "min_ndim_triangular",
+    "max_skew_triangular",
+    "merge_small_dims",
+    "target_merged_dim_size",
+)
+
+
 def factor_plan(
     shape: tuple[int, ...], group: dict[str, Any]
 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
@@ -74,26 +87,41 @@ def factor_plan(
     kron-torch's rules have decided the diagonal axes); kron-torch's rules (the
     ``merge_dims`` argument's matrix shape, 'smart_one_diag', the skew rule)
     exist only here, as precond.jax.kron plans as distributed-kron, which has
-    none of them. No blocking: every axis stays whole."""
-    shape = tuple(shape) or (1,)
-    if group["merge_dims"]:
+    none of them. No blocking: every axis stays whole. A plan is made once per
+    shape and options (a step asks for each parameter's several times)."""
+    return _planned(tuple(shape), *(group[name] for name in _PLAN_OPTIONS))
+
+
+@functools.lru_cache(maxsize=1024)
+def _planned(
+    shape: tuple[int, ...],
+    merge_dims: bool,
+    mode: str | None,
+    max_size_triangular: int,
+    min_ndim_triangular: int,
+    max_skew_triangular: float,
+    merge_small_dims: bool,
+    target_merged_dim_size: int,
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """:func:`factor_plan` of a shape, given the group's plan options."""
+    shape = shape or (1,)
+    if merge_dims:
         shape = _matrix_shape(shape)
-    mode = group["memory_save_mode"]
     diagonal = plan_diagonal_axes(
         shape,
-        max_size_triangular=group["max_size_triangular"],
-        min_ndim_triangular=group["min_ndim_triangular"],
+        max_size_triangular=max_size_triangular,
+        min_ndim_triangular=min_ndim_triangular,
         memory_save_mode=None if mode == "smart_one_diag" else mode,
     )
     if mode == "smart_one_diag":
         diagonal = _smart_one_diag(shape, diagonal)
-    diagonal = _skew_rule(shape, diagonal, group["max_skew_triangular"])
-    if group["merge_small_dims"]:
+    diagonal = _skew_rule(shape, diagonal, max_skew_triangular)
+    if merge_small_dims:
         shape, diagonal = merge_planned_axes(
             shape,
             diagonal,
-            target_merged_dim_size=group["target_merged_dim_size"],
-            max_size_triangular=group["max_size_triangular"],
+            target_merged_dim_size=target_merged_dim_size,
+            max_size_triangular=max_size_triangular,
         )
     return shape, diagonal
 

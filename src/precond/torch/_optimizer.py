@@ -84,11 +84,9 @@ def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
     NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
     that their squares overflow, as :func:`precond.jax.kron`'s guard. One dot
     product per gradient, one host sync per step."""
-    return bool(
-        torch.stack(
-            [torch.isfinite(torch.dot(x, x)) for x in map(_working_view, grads)]
-        ).all()
-    )
+    # Stacking promotes float32 norms to float64 where both occur: exactly.
+    squared_norms = torch.stack([torch.dot(x, x) for x in map(_working_view, grads)])
+    return bool(squared_norms.isfinite().all())
 
 
 def scalar(value: Any) -> float:

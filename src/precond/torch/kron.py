@@ -347,7 +347,8 @@ class Kron(CheckedOptimizer):
 
     def _apply(self, entries, updates) -> None:
         """θ ← θ − lr·(clipped update with weight decay), per group's
-        ``update_clipping`` (see the class docstring)."""
+        ``update_clipping`` (see the class docstring); one ``_foreach`` call per
+        stage and group."""
         by_group: dict[int, list] = defaultdict(list)
         for (group, p, _), update in zip(entries, updates, strict=True):
             by_group[id(group)].append((group, p, update))
@@ -355,10 +356,11 @@ class Kron(CheckedOptimizer):
             group = members[0][0]
             lr, decay = scalar(group["lr"]), group["weight_decay"]
             if group["update_clipping"] == "rms":
-                for _, p, update in members:
-                    local = local_value(p)
-                    local.mul_(1 - lr * decay)
-                    local.add_(local_part(p, update).to(p.dtype), alpha=-lr)
+                local = [local_value(p) for _, p, _ in members]
+                torch._foreach_mul_(  # pyright: ignore[reportPrivateImportUsage]
+                    local, 1 - lr * decay
+                )
+                _foreach_add_to_params(members, [u for _, _, u in members], -lr)
             else:
                 self._apply_norm_and_value_clipped(members, lr, decay)
 
@@ -368,14 +370,17 @@ class Kron(CheckedOptimizer):
         whole tensors: a DTensor θ is gathered for the decay term)."""
         steps = [update for _, _, update in members]
         if decay != 0:
-            steps = [
-                u.add(full_value(p).to(u.dtype), alpha=decay) for (_, p, u) in members
-            ]
+            steps = torch._foreach_add(  # pyright: ignore[reportPrivateImportUsage]
+                steps,
+                [full_value(p).to(u.dtype) for (_, p, u) in members],
+                alpha=decay,
+            )
         torch.nn.utils.clip_grad_norm_(steps, self._parameter_count() ** 0.5)
-        for (_, p, _), u in zip(members, steps, strict=True):
-            # Complex entries: the real and imaginary parts each.
-            (torch.view_as_real(u) if u.is_complex() else u).clamp_(-1.0, 1.0)
-            local_value(p).add_(local_part(p, u).to(p.dtype), alpha=-lr)
+        # Complex entries: the real and imaginary parts each.
+        real = [torch.view_as_real(u) if u.is_complex() else u for u in steps]
+        torch._foreach_clamp_min_(real, -1.0)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_clamp_max_(real, 1.0)  # pyright: ignore[reportPrivateImportUsage]
+        _foreach_add_to_params(members, steps, -lr)
 
     def _parameter_count(self) -> int:
         """Number of trainable scalars in all groups (the clipping norm's square)."""
@@ -568,6 +573,19 @@ class Kron(CheckedOptimizer):
             ]
         )
         return factors, noise
+
+
+def _foreach_add_to_params(members, steps, alpha: float) -> None:
+    """θ ← θ + alpha·step for each (group, θ, _) of ``members`` (on this rank's
+    shard of a DTensor θ), in θ's dtype."""
+    torch._foreach_add_(  # pyright: ignore[reportPrivateImportUsage]
+        [local_value(p) for _, p, _ in members],
+        [
+            local_part(p, u).to(p.dtype)
+            for (_, p, _), u in zip(members, steps, strict=True)
+        ],
+        alpha=alpha,
+    )
 
 
 def _stacked(tensors, dtype: torch.dtype, shape) -> torch.Tensor:
