@@ -4,7 +4,9 @@ Muon and AdamW on the bench's char-lm, at equal steps and equal time.
 Every optimizer runs the same protocol, through the bench's own runner
 (``precond.bench``): the char-lm workload (2-layer transformer, d 64, context 64,
 next byte of Python's help topics), minibatch ``--batch-size`` (16), the bench's
-schedule (linear warm-up over 5% of the steps, cosine to 0), its weight decay
+schedule (linear warm-up over 5% of the steps, cosine to 0; or the warm-up of
+``--lr-warmup-steps`` and a decay to ``--lr-final-fraction`` of the peak: issue
+[4 of 6]'s protocol is 20 and 0.1), its weight decay
 (1e-4, decoupled), for each step budget of ``--steps`` (300 and 2000), at each
 rate of its learning-rate sweep (its bench rate times ``--lr-multipliers``),
 with ``--seeds`` seeds (3). Per budget, each optimizer's rate is the one with
@@ -87,6 +89,18 @@ def _parse(argv):
         "--optimizers", default="adamw,muon,kron,pro,pro-compact,pro-p0.5,dk2-pro"
     )
     parser.add_argument("--batch-size", type=arguments.positive_int, default=16)
+    parser.add_argument(
+        "--lr-warmup-steps",
+        type=arguments.positive_int,
+        default=None,
+        help="the cosine schedule's warm-up (default: the bench's, 5%% of the steps)",
+    )
+    parser.add_argument(
+        "--lr-final-fraction",
+        type=float,
+        default=0.0,
+        help="the cosine schedule decays to this fraction of the peak (default 0)",
+    )
     parser.add_argument(
         "--threads",
         type=arguments.positive_int,
@@ -194,6 +208,7 @@ def main(argv=None) -> int:
     threads = configure_threads(args.threads or available_cores(), ("jax",))
     from precond.bench import analysis, report, suite
     from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY
+    from precond.bench.runner import WARMUP_FRACTION
     from precond.bench.workloads import get_workload
 
     workload = get_workload("char-lm")
@@ -211,6 +226,12 @@ def main(argv=None) -> int:
             lr_overrides=dict(args.lr),
             steps=steps,
             batch_size=args.batch_size,
+            lr_warmup_fraction=(
+                WARMUP_FRACTION
+                if args.lr_warmup_steps is None
+                else args.lr_warmup_steps / steps
+            ),
+            lr_final_fraction=args.lr_final_fraction,
         )
         start = time.time()
         outcome = suite.run_suite(jobs, DEFAULT_WEIGHT_DECAY, not args.no_progress)

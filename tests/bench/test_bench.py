@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -440,6 +441,37 @@ def test_lr_multiplier_warms_up_then_decays_to_zero():
     assert lr_multiplier(1.0, "cosine") == pytest.approx(0.0, abs=1e-12)
     assert lr_multiplier(2.0, "cosine") == pytest.approx(0.0, abs=1e-12)
     assert lr_multiplier(0.7, "constant") == 1.0
+
+
+@pytest.mark.parametrize(("warmup", "final"), [(0.01, 0.1), (0.2, 0.5), (0.0, 0.0)])
+def test_lr_multiplier_with_a_warmup_and_a_floor(warmup, final):
+    """Linear to 1 over ``warmup``, then a cosine from 1 down to ``final``, halfway
+    at the middle of the decay and never below ``final``."""
+    if warmup:
+        assert lr_multiplier(warmup / 2, "cosine", warmup, final) == pytest.approx(0.5)
+    assert lr_multiplier(warmup, "cosine", warmup, final) == pytest.approx(1.0)
+    middle = (1 + warmup) / 2
+    assert lr_multiplier(middle, "cosine", warmup, final) == pytest.approx(
+        final + (1 - final) / 2
+    )
+    assert lr_multiplier(1.0, "cosine", warmup, final) == pytest.approx(final)
+    decay = [
+        lr_multiplier(warmup + i / 100, "cosine", warmup, final) for i in range(100)
+    ]
+    assert all(a >= b >= final for a, b in itertools.pairwise(decay))
+
+
+def test_run_config_schedule_fractions_are_checked_and_recorded():
+    with pytest.raises(ValueError, match=r"lr_warmup_fraction=1\.0"):
+        RunConfig(lr_warmup_fraction=1.0)
+    with pytest.raises(ValueError, match=r"lr_final_fraction=-0\.1"):
+        RunConfig(lr_final_fraction=-0.1)
+    config = RunConfig(steps=2000, lr_warmup_fraction=0.01, lr_final_fraction=0.1)
+    assert config.multiplier(1.0) == pytest.approx(0.1)
+    assert config.schedule_text() == (
+        "cosine (warm-up 0.01 of the budget, to 0.1 of the peak)"
+    )
+    assert RunConfig().schedule_text() == "cosine"
 
 
 def test_training_loop_budgets_evaluations_and_divergence():

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from precond._common.validation import check_choice, check_int
+from precond._common.validation import check_choice, check_int, check_real
 from precond.bench.data import BatchStream, batch_indices
 from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY, OptimizerSpec
 from precond.bench.workloads import Workload
@@ -39,7 +39,9 @@ class RunConfig:
     training, compile and evaluations excluded) is set. ``seed`` sets the
     parameter init, the minibatch order and the optimizer's own randomness; the
     train/test split is the workload's fixed ``split_seed``. ``schedule`` is one
-    of :data:`SCHEDULES`, applied to every optimizer's rate. The validation rows
+    of :data:`SCHEDULES`, applied to every optimizer's rate; a cosine schedule
+    warms up over ``lr_warmup_fraction`` of the budget and decays to
+    ``lr_final_fraction`` of the peak. The validation rows
     are scored before the first step, every ``eval_every`` steps and after the
     last. ``devices`` > 1 shards each JAX batch over that many devices.
     """
@@ -49,9 +51,11 @@ class RunConfig:
     seed: int = 0
     schedule: str = "cosine"
     eval_every: int = 20
-    warmup_steps: int = WARMUP_STEPS
+    warmup_steps: int = WARMUP_STEPS  # steps left out of the median step time
     time_budget_s: float | None = None
     devices: int = 1
+    lr_warmup_fraction: float = WARMUP_FRACTION
+    lr_final_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.time_budget_s is None):
@@ -71,6 +75,33 @@ class RunConfig:
             check_int(name, getattr(self, name), low=1)
         check_int("warmup_steps", self.warmup_steps, low=0)
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_real(
+            "lr_warmup_fraction",
+            self.lr_warmup_fraction,
+            low=0.0,
+            high=1.0,
+            high_inclusive=False,
+        )
+        check_real("lr_final_fraction", self.lr_final_fraction, low=0.0, high=1.0)
+
+    def multiplier(self, progress: float) -> float:
+        """The learning rate as a fraction of the peak at ``progress`` of the
+        budget (:func:`lr_multiplier` with this run's schedule)."""
+        return lr_multiplier(
+            progress, self.schedule, self.lr_warmup_fraction, self.lr_final_fraction
+        )
+
+    def schedule_text(self) -> str:
+        """The schedule in words: "cosine" for the bench's (5% warm-up, decay to
+        0), else with its warm-up and final fraction."""
+        if self.schedule != "cosine" or (
+            self.lr_warmup_fraction == WARMUP_FRACTION and self.lr_final_fraction == 0
+        ):
+            return self.schedule
+        return (
+            f"cosine (warm-up {self.lr_warmup_fraction:.3g} of the budget, to "
+            f"{self.lr_final_fraction:.3g} of the peak)"
+        )
 
     def budget(self) -> str:
         """The budget in words: "400 steps" or "60 s"."""
@@ -126,17 +157,23 @@ class RunResult:
         return asdict(self)
 
 
-def lr_multiplier(progress: float, schedule: str) -> float:
+def lr_multiplier(
+    progress: float,
+    schedule: str,
+    warmup: float = WARMUP_FRACTION,
+    final: float = 0.0,
+) -> float:
     """The learning rate as a fraction of the peak, at ``progress`` ∈ [0, 1] of the
-    budget: 1 ("constant"), or ``progress / 0.05`` during the warm-up and then
-    ``(1 + cos(π·(progress − 0.05) / 0.95)) / 2`` ("cosine")."""
+    budget: 1 ("constant"), or ("cosine") ``progress / warmup`` during the warm-up
+    and then f + (1 − f)·(1 + cos(π·(progress − warmup) / (1 − warmup))) / 2,
+    from 1 down to the ``final`` fraction f."""
     if schedule == "constant":
         return 1.0
     progress = min(max(progress, 0.0), 1.0)
-    if progress < WARMUP_FRACTION:
-        return progress / WARMUP_FRACTION
-    decayed = (progress - WARMUP_FRACTION) / (1.0 - WARMUP_FRACTION)
-    return 0.5 * (1.0 + math.cos(math.pi * decayed))
+    if progress < warmup:
+        return progress / warmup
+    decayed = (progress - warmup) / (1.0 - warmup)
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * decayed))
 
 
 @dataclass
@@ -214,7 +251,7 @@ def training_loop(
             break
         idx = next_batch()
         start = time.perf_counter()
-        loss, refused = step(idx, lr_multiplier(progress, config.schedule))
+        loss, refused = step(idx, config.multiplier(progress))
         seconds.append(time.perf_counter() - start)
         loss, skipped = float(loss), skipped + bool(refused)
         elapsed += seconds[-1]
@@ -246,7 +283,7 @@ def result_from_loop(loop: LoopRecord, config: RunConfig, **fields: Any) -> RunR
     """A :class:`RunResult` from a loop record and the run's own fields."""
     final = loop.history[-1]
     return RunResult(
-        schedule=config.schedule,
+        schedule=config.schedule_text(),
         seed=config.seed,
         batch_size=config.batch_size,
         budget=config.budget(),

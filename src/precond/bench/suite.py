@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from precond.bench.optimizers import OptimizerSpec
-from precond.bench.runner import RunConfig, RunResult
+from precond.bench.runner import WARMUP_FRACTION, RunConfig, RunResult
 from precond.bench.workloads import Workload
 
 
@@ -48,6 +48,8 @@ def plan(
     batch_size: int | None = None,
     schedule: str = "cosine",
     devices: int = 1,
+    lr_warmup_fraction: float = WARMUP_FRACTION,
+    lr_final_fraction: float = 0.0,
 ) -> list[Job]:
     """Every run of the suite, framework by framework, workload by workload.
 
@@ -57,7 +59,9 @@ def plan(
     ``"NAME.KEYWORD"`` sets the rate of one of its ``part_learning_rates`` on
     every workload instead (not multiplied). Without ``steps`` or
     ``time_budget_s``, each workload's own step budget is used; ``batch_size``
-    overrides the workloads' own. ``devices`` applies to JAX runs only.
+    overrides the workloads' own. ``devices`` applies to JAX runs only; the
+    cosine schedule's warm-up and final fractions are
+    :class:`~precond.bench.runner.RunConfig`'s.
     """
     jobs = []
     for framework in frameworks:
@@ -69,6 +73,8 @@ def plan(
                 schedule=schedule,
                 eval_every=workload.eval_every,
                 devices=devices if framework == "jax" else 1,
+                lr_warmup_fraction=lr_warmup_fraction,
+                lr_final_fraction=lr_final_fraction,
             )
             for registered in optimizers:
                 if framework not in registered.frameworks():
