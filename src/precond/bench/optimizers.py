@@ -218,6 +218,20 @@ def _make_pro(learning_rate, weight_decay: float):
     return pro(learning_rate=learning_rate, weight_decay=weight_decay)
 
 
+def _make_psgd_jax(alias: str) -> Callable:
+    """A factory of psgd-jax's ``alias`` (``xmat``, ``low_rank_approximation``,
+    ``affine``) with its defaults: whitening, a fit every step."""
+
+    def make(learning_rate, weight_decay: float):
+        import precond.jax as pj
+
+        return getattr(pj, alias)(
+            learning_rate=learning_rate, weight_decay=weight_decay
+        )
+
+    return make
+
+
 def make_shampoo(learning_rate, weight_decay: float, **kwargs):
     """``precond.jax.distributed_shampoo`` with decoupled weight decay.
 
@@ -470,6 +484,14 @@ LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
         "torch": {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 0.04},
     },
     "shampoo": {"jax": {"digits-mlp": 3e-4, "digits-cnn": 1e-4, "char-lm": 1e-3}},
+    # XMat, LRA, Affine (2026-11-27): the lowest final validation loss of
+    #   precond bench --frameworks jax --optimizers xmat,lra,affine
+    #     --lr-sweep 0.25,0.5,1,2,4
+    # from AdamW's rates; LRA's digits-mlp and Affine's digits-mlp bests are at
+    # the grid's edges (BENCHMARKS.md, "Learning rates").
+    "xmat": {"jax": {"digits-mlp": 3e-3, "digits-cnn": 6e-3, "char-lm": 5e-3}},
+    "lra": {"jax": {"digits-mlp": 0.012, "digits-cnn": 6e-3, "char-lm": 5e-3}},
+    "affine": {"jax": {"digits-mlp": 7.5e-4, "digits-cnn": 1.5e-3, "char-lm": 0.01}},
     "kfac": {"torch": {"digits-mlp": 1e-3, "digits-cnn": 1e-3, "char-lm": 0.09}},
     "adamw": {
         f: {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 1e-2} for f in _BOTH
@@ -520,6 +542,22 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_pro,
             make_torch=_make_torch_pro,
             learning_rates=LEARNING_RATES["pro"],
+        ),
+        *(
+            OptimizerSpec(
+                name=name,
+                description=f"PSGD {title} (precond.jax.{alias}, psgd-jax's "
+                "defaults: whitening, a fit every step); JAX only, not in the "
+                "default suite",
+                make=_make_psgd_jax(alias),
+                learning_rates=LEARNING_RATES[name],
+                default=False,
+            )
+            for name, title, alias in (
+                ("xmat", "XMat", "xmat"),
+                ("lra", "LRA", "low_rank_approximation"),
+                ("affine", "Affine", "affine"),
+            )
         ),
         OptimizerSpec(
             name="shampoo",
