@@ -477,7 +477,7 @@ LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
     #   precond bench --frameworks F --optimizers pro --lr-sweep 0.5,1,2[,4]
     # from AdamW's rates (JAX's char-lm extended with --lr pro=0.02 --lr-sweep
     # 1,2,4: 0.02 2.066, 0.04 1.904, 0.08 2.076; PyTorch's 0.04 1.914, 0.08 2.015).
-    # The best is 0.5-4 times AdamW's rate: no one multiple is within 2x of it on
+    # The best is 1-4 times AdamW's rate: twice it is within 2x of the best on
     # every workload (BENCHMARKS.md, "Learning rates").
     "pro": {
         "jax": {"digits-mlp": 3e-3, "digits-cnn": 6e-3, "char-lm": 0.04},
