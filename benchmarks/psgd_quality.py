@@ -35,7 +35,11 @@ Optimizers (``--optimizers``):
   ``pro``'s rate, given the params as a flat dict (it fails on the model's lists).
 
 Timings are only comparable within one run on a quiet machine: the script runs
-everything one after another, with the bench's threads (``--threads``).
+everything one after another, with the bench's threads (``--threads``), in rounds
+(one per seed and rate multiplier) that each run every optimizer once, the order
+reversed every other round, so that a machine slowing down or speeding up during
+the run (this 2-core virtual machine drifts by up to 20%) weighs on every
+optimizer alike (:func:`interleaved`).
 
 Usage::
 
@@ -201,6 +205,19 @@ def _specs(names):
     return [spec(n) for n in names]
 
 
+def interleaved(jobs: list) -> list:
+    """``jobs`` in suite.plan's order (optimizer by optimizer, each over the same
+    rate multipliers and seeds) as rounds of one job per optimizer, a round per
+    (multiplier, seed), the optimizers' order reversed every other round."""
+    per_optimizer: dict[str, list] = {}
+    for job in jobs:
+        per_optimizer.setdefault(job.spec.name, []).append(job)
+    out = []
+    for i, round_ in enumerate(zip(*per_optimizer.values(), strict=True)):
+        out.extend(round_ if i % 2 == 0 else reversed(round_))
+    return out
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from precond.bench.machine import available_cores, configure_threads, environment
@@ -233,6 +250,7 @@ def main(argv=None) -> int:
             ),
             lr_final_fraction=args.lr_final_fraction,
         )
+        jobs = interleaved(jobs)
         start = time.time()
         outcome = suite.run_suite(jobs, DEFAULT_WEIGHT_DECAY, not args.no_progress)
         rows = analysis.summarize(outcome.results)
