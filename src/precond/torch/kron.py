@@ -17,7 +17,6 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from precond._common.factor_plan import MEMORY_SAVE_MODES
 from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
@@ -70,6 +69,7 @@ from precond.torch._optimizer import (
 from precond.torch._optimizer import (  # re-exported: precond.bench imports it here
     gradients_are_usable as gradients_are_usable,
 )
+from precond.torch._profiling import profiled_stage
 from precond.torch.strategies import Replicated, Strategy
 
 __all__ = ["Kron", "precond_update_prob_schedule"]
@@ -335,13 +335,13 @@ class Kron(CheckedOptimizer):
         mine = [e for e, owner in zip(entries, owners, strict=True) if owner == rank]
         for bucket in buckets(mine, self.state).values():
             self._step_bucket(bucket, updates, draws, grads)
-        with record_function("precond/kron/share_updates"):
+        with profiled_stage("precond/kron/share_updates"):
             shared = self.strategy.share(
                 [p for _, p, _ in entries],
                 owners,
                 [updates.get(i) for _, _, i in entries],
             )
-        with record_function("precond/kron/apply_updates"):
+        with profiled_stage("precond/kron/apply_updates"):
             self._apply(entries, shared)
         return loss
 
@@ -514,18 +514,18 @@ class Kron(CheckedOptimizer):
         states = [self._init_state(p, g) for g, p, _ in bucket]
         shape, _ = factor_plan(bucket[0][1].shape, group)
         dtype = torch.promote_types(states[0][FACTORS][0].dtype, torch.float32)
-        with record_function("precond/kron/momentum"):
+        with profiled_stage("precond/kron/momentum"):
             mu_hat = _momentum_step(bucket, states, shape, dtype, grads)
         stored_factors = [
             torch.stack([s[FACTORS][axis] for s in states]).to(dtype)
             for axis in range(len(shape))
         ]
         if _update_due(bucket, states, draws):
-            with record_function("precond/kron/update_factors"):
+            with profiled_stage("precond/kron/update_factors"):
                 stored_factors = self._fit(
                     bucket, states, stored_factors, mu_hat, draws, grads
                 )
-        with record_function("precond/kron/precondition"):
+        with profiled_stage("precond/kron/precondition"):
             U = _preconditioned(stored_factors, mu_hat, group)
         for (_, p, index), u in zip(bucket, U, strict=True):
             updates[index] = u.reshape(p.shape)

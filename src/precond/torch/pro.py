@@ -21,7 +21,6 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from precond._common.kron_constants import MAX_UPDATE_RMS
 from precond._common.pro_arguments import PRO_SHARED_ARGUMENT_CHECKS
@@ -34,6 +33,7 @@ from precond._common.pro_layout import (
 from precond._common.validation import check_int, check_real
 from precond.torch import _kron_math as km
 from precond.torch import _optimizer as shared
+from precond.torch._profiling import profiled_stage
 
 __all__ = ["Pro"]
 
@@ -257,7 +257,7 @@ class Pro(shared.CheckedOptimizer):
         step count and an update counter (all of them, in a plain run)."""
         group = bucket[0][0]
         states = [self._init_state(p, group) for _, p, _ in bucket]
-        with record_function("precond/pro/momentum"):
+        with profiled_stage("precond/pro/momentum"):
             momenta = _momentum_step(bucket, states)
         do_fit = _fit_due(group, states)
         plan = _bucket_plan(
@@ -273,7 +273,7 @@ class Pro(shared.CheckedOptimizer):
         updates = [torch.empty_like(v) for v in views]
         for stack in plan.stacks:
             self._step_stack(stack, bucket, states, views, updates, do_fit)
-        with record_function("precond/pro/apply_updates"):
+        with profiled_stage("precond/pro/apply_updates"):
             _apply_updates(bucket, updates)
 
     def _step_stack(self, stack, bucket, states, views, updates, do_fit) -> None:
@@ -291,7 +291,7 @@ class Pro(shared.CheckedOptimizer):
             torch.cat([s[1][side] for s in stored]) for side in range(len(stack.shape))
         ]
         G = torch.cat([_cut(views[r.leaf], r) for r in stack.regions])
-        with record_function("precond/pro/update_factors"):
+        with profiled_stage("precond/pro/update_factors"):
             if step % BALANCE_EVERY == 0 and len(factors) == 2:
                 factors = km.balance_factors(factors)
             if do_fit:
@@ -302,7 +302,7 @@ class Pro(shared.CheckedOptimizer):
                 factors, lipschitz = self._fit(
                     factors, lipschitz, G, stack.diagonal, generator, group
                 )
-        with record_function("precond/pro/precondition"):
+        with profiled_stage("precond/pro/precondition"):
             PG = km.precondition(factors, G)
         start = 0
         for r, (Qs, Ls) in zip(stack.regions, stored, strict=True):

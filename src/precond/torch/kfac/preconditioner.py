@@ -56,9 +56,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from precond.torch._dtensor import dtensors_supported, looks_like_dtensor
+from precond.torch._profiling import profiled_stage
 from precond.torch.kfac.arguments import (
     _ARGUMENT_CHECKS as _ARGUMENT_CHECKS,  # re-exported: docs/make_arguments.py
 )
@@ -484,12 +484,12 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._steps % self.factor_update_steps == 0:
-            with record_function("precond/kfac/update_factors"):
+            with profiled_stage("precond/kfac/update_factors"):
                 self._update_factors()
         if self._steps % self.inv_update_steps == 0:
-            with record_function("precond/kfac/update_second_order"):
+            with profiled_stage("precond/kfac/update_second_order"):
                 self._update_second_order()
-        with record_function("precond/kfac/precondition"):
+        with profiled_stage("precond/kfac/precondition"):
             self._precondition()
         self._steps += 1
         self._loss_scale = None
