@@ -38,8 +38,8 @@ Timings are only comparable within one run on a quiet machine: the script runs
 everything one after another, with the bench's threads (``--threads``), in rounds
 (one per seed and rate multiplier) that each run every optimizer once, the order
 reversed every other round, so that a machine slowing down or speeding up during
-the run (this 2-core virtual machine drifts by up to 20%) weighs on every
-optimizer alike (:func:`interleaved`).
+the run weighs on every optimizer alike (:func:`interleaved`; BENCHMARKS.md shows
+the drift of a sequential run).
 
 Usage::
 
