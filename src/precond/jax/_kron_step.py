@@ -42,6 +42,7 @@ from precond.jax._kron_state import (
     stored_factor,
     working,
 )
+from precond.jax._normal_draws import standard_normal
 from precond.jax._precision import matmul_precision
 from precond.jax.hessian import newton_arguments
 
@@ -141,7 +142,7 @@ def _seed_layout_draws(
     for k, x, plan, lead in parameters:
         sizes = seed_factor_sizes(plan, blocked, config.block_size)
         blocks = (math.prod(plan.blocks_per_axis),) if blocked else ()
-        V = jax.random.normal(k, (*lead, *blocks, *sizes), x.dtype)
+        V = standard_normal(k, (*lead, *blocks, *sizes), x.dtype)
         V = V.reshape(-1, *sizes)
         V = V[(slice(None), *(slice(0, b) for b in plan.block_shape))]
         noise.append(working(config, V))
