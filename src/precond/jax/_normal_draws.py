@@ -28,6 +28,7 @@ pro): trajectories move by float32 rounding, not by different randomness.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -75,24 +76,30 @@ def _row_major_index(shape: tuple[int, ...]) -> jax.Array:
     return index
 
 
+def _config(name: str) -> Any:
+    """A JAX configuration value (read by name: the typed ``jax.config`` does not
+    list every flag)."""
+    return getattr(jax.config, name)
+
+
 def _is_default_threefry(key: jax.Array) -> bool:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return str(jax.random.key_impl(key)) == "threefry2x32" and key.shape == ()
     return (
         key.dtype == jnp.uint32
         and key.shape == (2,)
-        and jax.config.jax_default_prng_impl == "threefry2x32"
+        and _config("jax_default_prng_impl") == "threefry2x32"
     )
 
 
-def standard_normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+def standard_normal(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
     """``jax.random.normal(key, shape, dtype)``: the same bits, hashed unrolled
     where the module's case holds (its values: see the module docstring)."""
     shape = tuple(int(d) for d in shape)
     size = math.prod(shape)
     if (
         jnp.dtype(dtype) != jnp.float32
-        or not jax.config.jax_threefry_partitionable
+        or not _config("jax_threefry_partitionable")
         or not _is_default_threefry(key)
         or size >= 2**32
     ):
