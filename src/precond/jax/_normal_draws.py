@@ -110,8 +110,7 @@ def standard_normal(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Arr
     word0, word1 = threefry2x32(key, jnp.zeros_like(counter), counter)
     mantissa = (word0 ^ word1) >> np.uint32(32 - _FLOAT32_MANTISSA_BITS)
     one_to_two = jax.lax.bitcast_convert_type(mantissa | _FLOAT32_ONE_BITS, jnp.float32)
-    # NumPy scalars, so that XLA sees them as literals as it does in JAX's draws
-    # (it folds them into the consumers' constants: the same rounding there too).
+    # NumPy scalars: literals in the compiled program, as JAX's own constants are.
     uniform = (one_to_two - _ONE) * (_ONE - _LOWEST) + _LOWEST
     uniform = jax.lax.max(_LOWEST, uniform)
     return _SQRT2 * jax.lax.erf_inv(uniform)
