@@ -14,7 +14,7 @@ every other round), the median wall time of jitted calls:
    ``kron`` on one 2048 × 2048 layer;
 
 each with the draws of ``jax.random.normal`` and with precond's: the benchmark
-swaps ``standard_normal`` in every precond module that imported it
+swaps ``_normal_draws.standard_normal``, which the fits of Kron and pro call
 (:func:`draws_of`). Ratios are precond's time over ``jax.random.normal``'s.
 
 Usage::
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 
 from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
@@ -52,21 +51,14 @@ DRAWS = {
 
 @contextlib.contextmanager
 def draws_of(draw):
-    """Every precond module that imported ``standard_normal`` calls ``draw``
-    instead, for the jit traces made inside the block."""
+    """Kron's and pro's fits draw with ``draw`` in the jit traces made inside the
+    block (they call ``_normal_draws.standard_normal``)."""
     ours = _normal_draws.standard_normal
-    modules = [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith("precond.") and getattr(m, "standard_normal", None) is ours
-    ]
-    for module in modules:
-        module.standard_normal = draw
+    _normal_draws.standard_normal = draw
     try:
         yield
     finally:
-        for module in modules:
-            module.standard_normal = ours
+        _normal_draws.standard_normal = ours
 
 
 def draw_case(n: int, draw) -> callable:

@@ -33,6 +33,7 @@ import precond.jax as pj
 import precond.torch.pro as pro_module
 from precond._common.pro_layout import merged_shape
 from precond.jax import _kron_math as jkm
+from precond.jax import _normal_draws as normal_draws
 from precond.jax.pro import _plan as jax_pro_plan
 from precond.torch import Pro
 from precond.torch import _kron_math as tkm
@@ -194,7 +195,7 @@ def test_steps_equal_precond_jax_pro_with_the_same_draws(case, monkeypatch):
     optimizer = pj.pro(draws="compact", **kwargs)
     jax_params = {n: jnp.asarray(p) for n, p in params.items()}
     with monkeypatch.context() as patch:
-        patch.setattr(jax.random, "normal", jax_normal)
+        patch.setattr(normal_draws, "standard_normal", jax_normal)
         state = optimizer.init(jax_params)
         update = jax.jit(optimizer.update)
         jax_steps = []

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from precond._common.kron_constants import (  # the styles both frameworks accept
     UPDATE_STYLES as UPDATE_STYLES,
 )
-from precond.jax._normal_draws import standard_normal
+from precond.jax import _normal_draws
 
 # Leading stack axes of a kernel's per-unit arguments: none, callers vmap (module
 # doc; 1 in precond.torch._kron_math).
@@ -182,7 +182,7 @@ def norm_lower_bound(S: jax.Array) -> jax.Array:
 def normal_draw(rng: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
     """N(0, I) of ``shape`` from the key ``rng`` (the default ``draw`` of the
     sampled norm bounds; tests inject their own)."""
-    return standard_normal(rng, shape, dtype)
+    return _normal_draws.standard_normal(rng, shape, dtype)
 
 
 def sampled_norm_lower_bound(

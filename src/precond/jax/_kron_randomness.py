@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from precond._common.kron_constants import BALANCE_PROBABILITY
-from precond.jax._normal_draws import standard_normal
+from precond.jax import _normal_draws
 
 __all__ = ["BALANCE_PROBABILITY", "fit_randomness", "unit_noise"]
 
@@ -38,4 +38,4 @@ def unit_noise(
     same on any number of devices, and every device draws only its own units.
     """
     key = jax.random.fold_in(jax.random.fold_in(noise_key, parameter), unit)
-    return standard_normal(key, block_shape, dtype)
+    return _normal_draws.standard_normal(key, block_shape, dtype)

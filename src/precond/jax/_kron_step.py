@@ -22,6 +22,7 @@ from precond._common.kron_constants import BALANCE_PROBABILITY, MAX_UPDATE_RMS
 from precond._common.kron_plan import seed_factor_sizes
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
+from precond.jax import _normal_draws
 from precond.jax._guards import all_finite, check_state_matches, gradients_are_usable
 from precond.jax._kron_config import (
     KronConfig,
@@ -42,7 +43,6 @@ from precond.jax._kron_state import (
     stored_factor,
     working,
 )
-from precond.jax._normal_draws import standard_normal
 from precond.jax._precision import matmul_precision
 from precond.jax.hessian import newton_arguments
 
@@ -142,7 +142,7 @@ def _seed_layout_draws(
     for k, x, plan, lead in parameters:
         sizes = seed_factor_sizes(plan, blocked, config.block_size)
         blocks = (math.prod(plan.blocks_per_axis),) if blocked else ()
-        V = standard_normal(k, (*lead, *blocks, *sizes), x.dtype)
+        V = _normal_draws.standard_normal(k, (*lead, *blocks, *sizes), x.dtype)
         V = V.reshape(-1, *sizes)
         V = V[(slice(None), *(slice(0, b) for b in plan.block_shape))]
         noise.append(working(config, V))

@@ -15,7 +15,9 @@ Threefry key (``jax.random.PRNGKey`` or ``jax.random.key``),
 than 2³² entries. Entry i (row-major) hashes the counter pair (0, i); its 32 bits
 are the xor of the two output words; u = max(lo, 2·(1.bits − 1) + lo), with lo
 the float32 just above −1, and the draw is √2·erfinv(u). In every other case it
-calls ``jax.random.normal``.
+calls ``jax.random.normal``. Callers reach it as
+``_normal_draws.standard_normal``, so that a test or a benchmark swaps the draws
+of Kron's and pro's fits in this one place.
 
 The uniforms are JAX's bit for bit, and so are the normals of a draw compiled on
 its own (``tests/jax/test_normal_draws.py``, on every JAX that CI runs). Inside a

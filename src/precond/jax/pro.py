@@ -57,12 +57,12 @@ from precond._common.validation import (
     is_concrete_number,
 )
 from precond.jax import _kron_math as km
+from precond.jax import _normal_draws
 from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
 from precond.jax._blocks import cut, join
 from precond.jax._guards import check_parameter_dtypes, is_params_placeholder
 from precond.jax._kron_arguments import check_partition_specs_tree
 from precond.jax._kron_sharding import is_box
-from precond.jax._normal_draws import standard_normal
 from precond.jax._psgd_transform import arguments_for, with_auto_axes
 from precond.jax._step_policy import (
     keep_if_overflowed,
@@ -104,7 +104,8 @@ def _padded_draw(width: int) -> Callable:
     its zero-padded blocks (whose padding the estimate never sees)."""
 
     def draw(key, shape, dtype):
-        return standard_normal(key, (*shape[:-1], width), dtype)[..., : shape[-1]]
+        W = _normal_draws.standard_normal(key, (*shape[:-1], width), dtype)
+        return W[..., : shape[-1]]
 
     return draw
 
@@ -119,10 +120,10 @@ def _fit_unit(factors, lipschitz, G, key, *, style, lr, noise_scale, draw_shape)
     dense = [not d for d in diagonal]
     keys, draw = None, None
     if G.ndim == 1:
-        Gn = G + noise_scale * standard_normal(key, G.shape, G.dtype)
+        Gn = G + noise_scale * _normal_draws.standard_normal(key, G.shape, G.dtype)
     else:
         fit_key, noise_key = jax.random.split(key)
-        V = standard_normal(noise_key, draw_shape or G.shape, G.dtype)
+        V = _normal_draws.standard_normal(noise_key, draw_shape or G.shape, G.dtype)
         V = V[tuple(slice(0, d) for d in G.shape)]
         Gn = km.add_relative_damping_noise(G, V, noise_scale)
         if all(dense):
