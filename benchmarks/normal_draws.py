@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 
 from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
 
@@ -61,7 +62,7 @@ def draws_of(draw):
         _normal_draws.standard_normal = ours
 
 
-def draw_case(n: int, draw) -> callable:
+def draw_case(n: int, draw) -> Callable:
     compiled = (
         jax.jit(lambda k: draw(k, (n,), jnp.float32))
         .lower(jax.random.PRNGKey(0))
@@ -71,7 +72,7 @@ def draw_case(n: int, draw) -> callable:
     return lambda: compiled(key)
 
 
-def update_case(tx, params, draw) -> callable:
+def update_case(tx, params, draw) -> Callable:
     """One fitting update of ``tx`` from a fixed gradient, its state fed back."""
     grads = jax.tree.map(lambda p: jnp.cos(p) * 1e-2, params)
     with draws_of(draw):
@@ -91,7 +92,7 @@ def update_case(tx, params, draw) -> callable:
     return run
 
 
-def cases() -> dict[str, dict[str, callable]]:
+def cases() -> dict[str, dict[str, Callable]]:
     charlm = get_workload("char-lm").init_params(0)
     layer = {"w": jax.random.normal(jax.random.PRNGKey(2), (2048, 2048)) * 0.02}
     optimizers = {
