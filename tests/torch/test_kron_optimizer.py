@@ -1107,6 +1107,41 @@ def test_cached_layouts_give_the_updates_of_plain_factors(style, cache):
         torch.testing.assert_close(packed[-1], torch.diagonal(P))
 
 
+def test_compiled_kernels_step_as_the_eager_kernels():
+    """``compile_kernels=True`` hands the factor fit to Inductor, one graph per
+    shape of stack (here a (5, 4) matrix and a (6,) vector stack): 6 steps that
+    all fit give the eager optimizer's parameters and factors to float32
+    rounding (Inductor fuses and reorders the fit's elementwise work)."""
+    from torch._dynamo.utils import counters
+
+    shapes = [(5, 4), (5, 4), (6,)]
+    runs = []
+    torch._dynamo.reset()
+    try:
+        for compiled in (True, False):
+            graphs = counters["stats"]["unique_graphs"]
+            params = make_params(shapes, dtype=torch.float32)
+            optimizer = Kron(
+                params,
+                lr=0.05,
+                preconditioner_update_probability=1.0,
+                compile_kernels=compiled,
+            )
+            run(optimizer, params, gradients(shapes, 6, dtype=torch.float32))
+            runs.append((params, optimizer))
+            if compiled:
+                assert counters["stats"]["unique_graphs"] - graphs == 2
+    finally:
+        torch._dynamo.reset()
+    (params, compiled), (twin, eager) = runs
+    for p, q in zip(params, twin, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for F, G in zip(
+            compiled.state[p][FACTORS], eager.state[q][FACTORS], strict=True
+        ):
+            torch.testing.assert_close(F, G, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.filterwarnings("error::UserWarning")
 def test_sharded_preconditioning_shares_complex_updates(tmp_path):
     """ShardedPreconditioning packs every update into one real all-gather
