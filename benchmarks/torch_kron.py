@@ -387,9 +387,9 @@ def report(res: dict[str, Any]) -> str:
         f"cache `{cfg['inductor_cache']}`); Dynamo compiled "
         f"{comp.get('unique_graphs')} graphs ({comp.get('graph_breaks')} graph "
         f"breaks, {comp.get('frames_left_eager')} calls left eager) for "
-        f"{cfg['num_stacks']} stack shapes × 2 kernels; Dynamo's recompile limit is "
-        f"{comp.get('recompile_limit')} graphs per kernel: a model with more stack "
-        "shapes runs the kernels of the others eagerly.",
+        f"{cfg['num_stacks']} stack shapes (one graph of the factor fit per shape); "
+        f"Dynamo's recompile limit is {comp.get('recompile_limit')} graphs: a model "
+        "with more stack shapes fits the others eagerly.",
         f"- the p = {lo_p} compiled optimizer reused those graphs (Dynamo caches per "
         "function, not per optimizer): its first step took "
         f"{1e3 * warm[f'kron p={lo_p:g} compiled'][0]:.0f} ms and its first fitting "
