@@ -21,6 +21,12 @@ on the parameters of the bench's ``digits-mlp`` and ``char-lm`` (the JAX
 workloads' ``init_params``; the same shapes as ``torch_models``' modules), with
 fixed random gradients.
 
+For ``torch-kron`` a second table gives each side's time per step in matrix
+products and triangular solves (their operators' self time under
+``torch.profiler``, one window after the timed rounds), and that time for
+precond over the original's whole step: the ratio precond would reach if the
+rest of its step took no time.
+
 Protocol: each optimizer's update (JAX: ``jax.jit`` with the state donated;
 torch: ``optimizer.step()`` after the gradients are set) runs a fixed number of steps
 per round (20 at Kron's update probability 1, where every step fits the
@@ -248,10 +254,9 @@ def cases(pairs, models) -> list[tuple[str, str, str, int, Callable]]:
 # ------------------------------------------------------------------- protocol
 
 
-def measure_pair(steppers: dict[str, Callable], window: int, rounds: int) -> dict:
+def measure_pair(runs: dict[str, Callable], window: int, rounds: int) -> dict:
     """Median over ``rounds`` of each round's mean seconds per step, the
     optimizers alternating round by round (the first one alternating too)."""
-    runs = {name: make() for name, make in steppers.items()}
     per_round: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for r in range(rounds):
@@ -265,6 +270,37 @@ def measure_pair(steppers: dict[str, Callable], window: int, rounds: int) -> dic
         "ratio": medians["precond"] / medians["original"],
         "spread": {name: [1e3 * min(t), 1e3 * max(t)] for name, t in per_round.items()},
     }
+
+
+# The torch operators that do a step's matrix products and triangular solves.
+MATMUL_OPERATORS = frozenset(
+    {
+        "aten::mm",
+        "aten::bmm",
+        "aten::addmm",
+        "aten::baddbmm",
+        "aten::linalg_solve_triangular",
+    }
+)
+
+
+def torch_matmul_ms(runs: dict[str, Callable], window: int) -> dict[str, float]:
+    """Per optimizer, the milliseconds per step that its matmuls and triangular
+    solves take (their operators' self CPU time under ``torch.profiler``, over
+    one window): a floor under its step time, whatever the rest costs."""
+    from torch.profiler import profile
+
+    floors = {}
+    for name, run in runs.items():
+        with profile() as prof:
+            run(window)
+        self_us = sum(
+            event.self_cpu_time_total
+            for event in prof.key_averages()
+            if event.key in MATMUL_OPERATORS
+        )
+        floors[name] = self_us / 1e3 / window
+    return floors
 
 
 def _parse(argv):
@@ -294,7 +330,10 @@ def main(argv=None) -> int:
     rows = []
     for pair, model, label, window, make in cases(pairs, args.models.split(",")):
         window = min(window, 3) if args.quick else window
-        result = measure_pair(make(), window, rounds)
+        runs = {name: start() for name, start in make().items()}
+        result = measure_pair(runs, window, rounds)
+        if pair == "torch-kron":
+            result["matmul_ms"] = torch_matmul_ms(runs, window)
         ms = result["ms"]
         print(
             f"| {pair} | {model} | {label} | {ms['precond']:.2f} | "
@@ -304,9 +343,31 @@ def main(argv=None) -> int:
         rows.append(
             {"pair": pair, "model": model, "setting": label, "window": window} | result
         )
+    floors = [row for row in rows if "matmul_ms" in row]
+    if floors:
+        print_matmul_floors(floors)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"machine": info, "rows": rows}))
     return 0
+
+
+def print_matmul_floors(rows: list[dict]) -> None:
+    """The torch pairs' matmul-and-solve time per step, and the ratio precond
+    would reach if nothing but its matmuls and solves took time."""
+    print()
+    print(
+        "| pair | model | setting | precond matmul ms | original matmul ms "
+        "| precond matmul / original step |"
+    )
+    print("|---|---|---|---:|---:|---:|")
+    for row in rows:
+        floor = row["matmul_ms"]
+        print(
+            f"| {row['pair']} | {row['model']} | {row['setting']} | "
+            f"{floor['precond']:.2f} | {floor['original']:.2f} | "
+            f"{floor['precond'] / row['ms']['original']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
