@@ -15,7 +15,9 @@ preconditioner update probability or root interval):
 - ``torch-kron``: ``precond.torch.Kron`` vs kron-torch 0.1.0's ``Kron``;
 - ``shampoo``: ``precond.jax.distributed_shampoo`` vs Google's (optax-shampoo
   0.0.6's ``distributed_shampoo``), block size 128, at
-  ``preconditioning_compute_steps`` 1 and 33;
+  ``preconditioning_compute_steps`` 1 and 33, and with roots at step 0 only
+  ("roots never": the per-step part, statistics, preconditioning and grafting,
+  alone);
 
 on the parameters of the bench's ``digits-mlp`` and ``char-lm`` (the JAX
 workloads' ``init_params``; the same shapes as ``torch_models``' modules), with
@@ -75,6 +77,9 @@ WEIGHT_DECAY = 1e-4
 PAIRS = ("jax-kron", "jax-kron-same-math", "torch-kron", "shampoo")
 MODELS = ("digits-mlp", "char-lm")
 SHAMPOO_BLOCK = 128
+# A root interval no run reaches: roots at step 0 only, so that the steps timed
+# are Shampoo's per-step part (statistics, preconditioning, grafting) alone.
+NEVER = 10**9
 
 
 # ----------------------------------------------------------------- steppers
@@ -235,7 +240,12 @@ def cases(pairs, models) -> list[tuple[str, str, str, int, Callable]]:
         "jax-kron": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
         "jax-kron-same-math": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
         "torch-kron": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
-        "shampoo": [("roots every 1", 1, 5), ("roots every 33", 33, 66)],
+        "shampoo": [
+            ("roots every 1", 1, 5),
+            ("roots every 33", 33, 66),
+            # Roots at step 0 only (in the warm-up): the per-step part alone.
+            ("roots never", NEVER, 66),
+        ],
     }
     makers = {
         "jax-kron": jax_kron_pair,
