@@ -7,6 +7,7 @@ small model keeps each run to seconds.
 """
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -21,13 +22,22 @@ SMALL += ["--batch-size", "8", "--block-size", "16", "--steps", "6", "--warmup",
 SMALL += ["--checkpoint-every", "3", "--log-every", "1"]
 
 
-def _run(*args):
+def _run(*args, compilation_cache=None):
+    """The example with SMALL and ``args``; ``compilation_cache``: a folder for
+    JAX's persistent compilation cache, shared by the runs of one test (a program
+    is looked up by its HLO and compile options, so a run whose programs differ
+    still compiles its own)."""
+    env = dict(os.environ)
+    if compilation_cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(compilation_cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     done = subprocess.run(
         [sys.executable, str(EXAMPLE), *SMALL, *args],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
@@ -40,13 +50,15 @@ def _final_checkpoint(directory):
 
 
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
-    whole = _run("--checkpoint-dir", str(tmp_path / "whole"))
+    cache = tmp_path / "jax-cache"
+    whole = _run("--checkpoint-dir", str(tmp_path / "whole"), compilation_cache=cache)
     losses = [float(x) for x in re.findall(r"train loss ([\d.]+)", whole)]
     assert len(losses) == 6
     assert losses[-1] < losses[0]
 
-    _run("--checkpoint-dir", str(tmp_path / "split"), "--stop-after", "3")
-    resumed = _run("--checkpoint-dir", str(tmp_path / "split"))
+    split = str(tmp_path / "split")
+    _run("--checkpoint-dir", split, "--stop-after", "3", compilation_cache=cache)
+    resumed = _run("--checkpoint-dir", split, compilation_cache=cache)
     assert "resumed" in resumed
 
     want = _final_checkpoint(tmp_path / "whole")

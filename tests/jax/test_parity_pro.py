@@ -170,8 +170,9 @@ def test_compact_draws_equal_distributed_kron_draws_on_whole_blocks():
         for draws in ("distributed_kron", "compact"):
             opt = pj.pro(block_size=16, draws=draws)
             state = opt.init(params)
+            update = jax.jit(opt.update)
             for _ in range(3):
-                u, state = opt.update(grads, state, params)
+                u, state = update(grads, state, params)
             outs.append(u)
         equal = all(np.array_equal(outs[0][n], outs[1][n]) for n in shapes)
         assert equal == same, shapes
@@ -266,9 +267,10 @@ def test_update_probability_fits_on_the_first_step_then_every_1_over_p():
     sometimes = pj.pro(block_size=16, preconditioner_update_probability=1 / 3)
     always = pj.pro(block_size=16)
     state = sometimes.init(params)
+    update_sometimes, update_always = jax.jit(sometimes.update), jax.jit(always.update)
     for step, g in enumerate(grads, start=1):
         before = state
-        u, state = sometimes.update(g, state, params)
+        u, state = update_sometimes(g, state, params)
         changed = not all(
             np.array_equal(a, b)
             for a, b in zip(
@@ -279,7 +281,7 @@ def test_update_probability_fits_on_the_first_step_then_every_1_over_p():
         )
         assert changed == (step % 3 == 1), step
         if changed:
-            u_always, _ = always.update(g, before, params)
+            u_always, _ = update_always(g, before, params)
             for name in params:
                 # Equal up to float32 rounding (a different program: the
                 # fit sits in a lax.cond).
