@@ -218,6 +218,50 @@ def interleaved(jobs: list) -> list:
     return out
 
 
+def budget_to_target(rows_by_budget: dict, baseline: str = "adamw") -> str:
+    """The smallest budget at which each optimizer matches ``baseline``'s longest run.
+
+    ``rows_by_budget`` maps a step budget to its summary rows (each optimizer at
+    its best rate for that budget). The target is the baseline's mean final
+    validation loss at the largest budget B; an optimizer reaches it at budget b
+    when its mean final validation loss after a whole run of b steps (its
+    schedule sized to b) is no higher. The table gives b, b / B, and the mean
+    training seconds of those b-step runs against the baseline's B-step runs:
+    steps and time to the target when every run decays its rate by its end, as
+    a user training for a fixed budget would, rather than the point where a
+    longer run's curve crosses the target (the tables above)."""
+    largest = max(rows_by_budget)
+    base = next(r for r in rows_by_budget[largest] if r.optimizer == baseline)
+    lines = [
+        f"Budget to {baseline}'s final validation loss at {largest} steps "
+        f"({base.val_loss:.4f}, {base.train_s:.1f} s): the smallest budget whose "
+        "runs end at or below it",
+        "",
+        "| optimizer | budget | ×" + f"{largest}" + " | lr | val loss | train s "
+        f"| ×{baseline}'s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows_by_budget[largest]:
+        budget, reached = next(
+            (
+                (b, r)
+                for b in sorted(rows_by_budget)
+                for r in rows_by_budget[b]
+                if r.optimizer == row.optimizer and r.val_loss <= base.val_loss
+            ),
+            (None, None),
+        )
+        if budget is None or reached is None:
+            lines.append(f"| {row.optimizer} | not within {largest} | | | | | |")
+            continue
+        lines.append(
+            f"| {row.optimizer} | {budget} | {budget / largest:.2f} "
+            f"| {reached.learning_rate:g} | {reached.val_loss:.4f} "
+            f"| {reached.train_s:.1f} | {reached.train_s / base.train_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from precond.bench.machine import available_cores, configure_threads, environment
@@ -233,6 +277,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sections = []
+    rows_by_budget = {}
     for steps in args.steps:
         jobs = suite.plan(
             ["jax"],
@@ -254,6 +299,7 @@ def main(argv=None) -> int:
         start = time.time()
         outcome = suite.run_suite(jobs, DEFAULT_WEIGHT_DECAY, not args.no_progress)
         rows = analysis.summarize(outcome.results)
+        rows_by_budget[steps] = rows
         table = report.format_table(rows)
         fastest = report.format_fastest(rows)
         rates = ",".join(f"{m:g}" for m in args.lr_multipliers)
@@ -269,6 +315,10 @@ def main(argv=None) -> int:
         )
         if outcome.interrupted:
             break
+    if len(rows_by_budget) > 1:
+        section = budget_to_target(rows_by_budget) + "\n"
+        sections.append(section)
+        print(section, flush=True)
     command = " ".join(["python benchmarks/psgd_quality.py", *(argv or sys.argv[1:])])
     machine = json.dumps(environment(("jax",), threads), indent=1)
     (out / "report.md").write_text(
