@@ -13,7 +13,9 @@ with ``--seeds`` seeds (3). Per budget, each optimizer's rate is the one with
 the lowest mean final validation loss, and the table gives at that rate: the
 validation loss (mean ± std over seeds), the steps and the training seconds
 until the validation curve reaches AdamW's final validation loss and stays
-(ratios to AdamW's whole run), and the median step time.
+(ratios to AdamW's whole run), and the median step time. With several budgets,
+a last table gives each optimizer's smallest budget whose whole runs end at or
+below AdamW's final loss at the largest budget (:func:`budget_to_target`).
 
 Optimizers (``--optimizers``):
 
