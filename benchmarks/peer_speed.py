@@ -13,6 +13,12 @@ preconditioner update probability or root interval):
   factor shapes, padding and draws, so that both compute the same updates (the
   parity tests' setting) and the ratio is the implementation's alone;
 - ``torch-kron``: ``precond.torch.Kron`` vs kron-torch 0.1.0's ``Kron``;
+- ``torch-kron-heavyball`` (not in the default ``--pairs``; it needs the
+  ``peers`` extra): ``precond.torch.Kron`` vs HeavyBall 3.2.1's ``PSGDKron``,
+  which compiles its kernels with ``torch.compile`` by default, given
+  kron-torch's values where HeavyBall's defaults differ
+  (``max_size_triangular=8192``, ``precond_init_scale=1.0``) and warmed up past
+  its first fit, so that its compilation is not timed;
 - ``shampoo``: ``precond.jax.distributed_shampoo`` vs Google's (optax-shampoo
   0.0.6's ``distributed_shampoo``), block size 128, at
   ``preconditioning_compute_steps`` 1 and 33, and with roots at step 0 only
@@ -30,8 +36,8 @@ precond over the original's whole step: the ratio precond would reach if the
 rest of its step took no time.
 
 Protocol: each optimizer's update (JAX: ``jax.jit`` with the state donated;
-torch: ``optimizer.step()`` after the gradients are set) runs a fixed number of steps
-per round (20 at Kron's update probability 1, where every step fits the
+torch: ``optimizer.step()``, the gradients set before each step) runs a fixed
+number of steps per round (20 at Kron's update probability 1, where every step fits the
 factors; 200 at 0.03, so that a round holds the fits each optimizer draws; 5
 for Shampoo's roots every step, 66 for every 33 steps), the two optimizers of a
 pair alternating round by round (``--rounds``), and the time per step is the
@@ -39,11 +45,12 @@ median over rounds of each round's mean. The ratio precond/original is
 the number issue [6 of 6] sets targets for (≤ 0.5 for Kron, ≤ 0.2 for Shampoo).
 
 The originals are the test oracles (the ``parity`` extra; distributed-kron is
-imported as ``tests/oracles.py`` does).
+imported as ``tests/oracles.py`` does); HeavyBall comes with the ``peers`` extra.
 
 Usage::
 
-    python benchmarks/peer_speed.py                    # everything, ~10 min
+    python benchmarks/peer_speed.py                    # the four pairs, ~12 min
+    python benchmarks/peer_speed.py --pairs torch-kron-heavyball
     python benchmarks/peer_speed.py --pairs jax-kron --models char-lm
     python benchmarks/peer_speed.py --quick            # smoke run
     python benchmarks/peer_speed.py --json out.json
@@ -53,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -74,7 +82,8 @@ from benchmarks._common import machine_info
 
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4
-PAIRS = ("jax-kron", "jax-kron-same-math", "torch-kron", "shampoo")
+DEFAULT_PAIRS = ("jax-kron", "jax-kron-same-math", "torch-kron", "shampoo")
+PAIRS = (*DEFAULT_PAIRS, "torch-kron-heavyball")
 MODELS = ("digits-mlp", "char-lm")
 SHAMPOO_BLOCK = 128
 # A root interval no run reaches: roots at step 0 only, so that the steps timed
@@ -120,9 +129,9 @@ def jax_stepper(tx, params, grads) -> Callable[[int], None]:
     return run
 
 
-def torch_stepper(make, model: str) -> Callable[[int], None]:
+def torch_stepper(make, model: str, warmup: int = 2) -> Callable[[int], None]:
     """``run(n)``: n ``step()`` calls of ``make(parameters)`` on the bench's torch
-    ``model`` with fixed random gradients."""
+    ``model`` with fixed random gradients, after ``warmup`` steps."""
     import torch
 
     from precond.bench.torch_models import build_model
@@ -131,15 +140,20 @@ def torch_stepper(make, model: str) -> Callable[[int], None]:
     module = build_model(get_workload(model).torch_model, 0)
     parameters = [p for p in module.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(1)
-    for p in parameters:
-        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+    grads = [
+        torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in parameters
+    ]
     optimizer = make(parameters)
 
     def run(n: int) -> None:
         for _ in range(n):
+            # Set before every step, as backward would: HeavyBall consumes them
+            # (sets .grad to None in its step).
+            for p, g in zip(parameters, grads, strict=True):
+                p.grad = g
             optimizer.step()
 
-    run(2)
+    run(warmup)
     return run
 
 
@@ -205,6 +219,35 @@ def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
     }
 
 
+def heavyball_pair(model: str, probability: float) -> dict[str, Callable]:
+    """precond's Kron against HeavyBall's compiled PSGDKron (reported in the
+    "original" column)."""
+    import precond.torch as pt
+
+    try:
+        import heavyball
+    except ModuleNotFoundError as error:
+        raise SystemExit(
+            "--pairs torch-kron-heavyball needs HeavyBall: pip install -e '.[peers]'"
+        ) from error
+    arguments = dict(
+        lr=LEARNING_RATE,
+        weight_decay=WEIGHT_DECAY,
+        preconditioner_update_probability=probability,
+    )
+    # kron-torch's values (precond's defaults) where HeavyBall's differ.
+    theirs = arguments | dict(max_size_triangular=8192, precond_init_scale=1.0)
+    # HeavyBall fits when its running sum of p passes an integer: past ceil(1/p)
+    # steps its fit is compiled too.
+    warmup = math.ceil(1 / probability) + 2
+    return {
+        "precond": lambda: torch_stepper(lambda p: pt.Kron(p, **arguments), model),
+        "original": lambda: torch_stepper(
+            lambda p: heavyball.PSGDKron(p, **theirs), model, warmup
+        ),
+    }
+
+
 def shampoo_pair(model: str, interval: int) -> dict[str, Callable]:
     from tests.jax.test_parity_shampoo import patched_optax_shampoo
 
@@ -240,6 +283,7 @@ def cases(pairs, models) -> list[tuple[str, str, str, int, Callable]]:
         "jax-kron": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
         "jax-kron-same-math": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
         "torch-kron": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
+        "torch-kron-heavyball": [("p=1", 1.0, 20), ("p=0.03", 0.03, 200)],
         "shampoo": [
             ("roots every 1", 1, 5),
             ("roots every 33", 33, 66),
@@ -251,6 +295,7 @@ def cases(pairs, models) -> list[tuple[str, str, str, int, Callable]]:
         "jax-kron": jax_kron_pair,
         "jax-kron-same-math": lambda m, v: jax_kron_pair(m, v, same_math=True),
         "torch-kron": torch_kron_pair,
+        "torch-kron-heavyball": heavyball_pair,
         "shampoo": shampoo_pair,
     }
     return [
@@ -315,7 +360,11 @@ def torch_matmul_ms(runs: dict[str, Callable], window: int) -> dict[str, float]:
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", default=",".join(PAIRS))
+    parser.add_argument(
+        "--pairs",
+        default=",".join(DEFAULT_PAIRS),
+        help=f"comma-separated, from {', '.join(PAIRS)}",
+    )
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="2 short rounds")
@@ -342,7 +391,7 @@ def main(argv=None) -> int:
         window = min(window, 3) if args.quick else window
         runs = {name: start() for name, start in make().items()}
         result = measure_pair(runs, window, rounds)
-        if pair == "torch-kron":
+        if pair.startswith("torch-kron"):
             result["matmul_ms"] = torch_matmul_ms(runs, window)
         ms = result["ms"]
         print(
