@@ -239,7 +239,7 @@ def budget_to_target(rows_by_budget: dict, baseline: str = "adamw") -> str:
         f"({base.val_loss:.4f}, {base.train_s:.1f} s): the smallest budget whose "
         "runs end at or below it",
         "",
-        "| optimizer | budget | ×" + f"{largest}" + " | lr | val loss | train s "
+        f"| optimizer | budget | ×{largest} | lr | val loss | train s "
         f"| ×{baseline}'s |",
         "|---|---|---|---|---|---|---|",
     ]
