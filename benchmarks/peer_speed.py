@@ -198,6 +198,15 @@ def jax_kron_pair(
     }
 
 
+def _torch_kron_arguments(probability: float) -> dict[str, Any]:
+    """The torch Kron pairs' shared arguments (kron-torch's names)."""
+    return dict(
+        lr=LEARNING_RATE,
+        weight_decay=WEIGHT_DECAY,
+        preconditioner_update_probability=probability,
+    )
+
+
 def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
     import torch
     from tests import oracles
@@ -205,11 +214,7 @@ def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
     import precond.torch as pt
 
     original = oracles.kron_torch()
-    arguments = dict(
-        lr=LEARNING_RATE,
-        weight_decay=WEIGHT_DECAY,
-        preconditioner_update_probability=probability,
-    )
+    arguments = _torch_kron_arguments(probability)
     torch.manual_seed(0)
     return {
         "precond": lambda: torch_stepper(lambda p: pt.Kron(p, **arguments), model),
@@ -230,11 +235,7 @@ def heavyball_pair(model: str, probability: float) -> dict[str, Callable]:
         raise SystemExit(
             "--pairs torch-kron-heavyball needs HeavyBall: pip install -e '.[peers]'"
         ) from error
-    arguments = dict(
-        lr=LEARNING_RATE,
-        weight_decay=WEIGHT_DECAY,
-        preconditioner_update_probability=probability,
-    )
+    arguments = _torch_kron_arguments(probability)
     # kron-torch's values (precond's defaults) where HeavyBall's differ.
     theirs = arguments | dict(max_size_triangular=8192, precond_init_scale=1.0)
     # HeavyBall fits when its running sum of p passes an integer: past ceil(1/p)
