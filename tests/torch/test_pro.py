@@ -478,7 +478,7 @@ def test_fitted_stacks_are_precond_jax_pros(monkeypatch):
 
     shapes = [*list(SHAPES.values()), (40, 16), (3, 16, 16)]
     plan = jax_pro_plan(shapes, [False] * len(shapes), 45, 16, 1)
-    expected = [(s.shape, s.diagonal, len(s.key_index)) for s in plan.stacks]
+    expected = [(s.shape, s.diagonal, s.units) for s in plan.stacks]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     optimizer = Pro(params, **LAYOUT)
     for p in params:

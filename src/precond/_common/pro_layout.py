@@ -4,8 +4,9 @@ on shapes, shared by both frameworks.
 A parameter is read as a vector or as a matrix (:func:`merged_shape`); a matrix
 side of at most ``max_size_dense`` is dense and cut into blocks of
 ``block_size`` (full blocks, then the remainder), a longer side keeps one
-diagonal factor. :func:`_plan` groups equal blocks into *stacks* that one
-batched call fits, and gives each block its index in distributed-kron 2.0's key
+diagonal factor. :func:`_plan` groups equal blocks of the whole model into
+*stacks* that one batched call fits (blocks of different parameters too, as
+Kron's stacks do), and gives each block its place in distributed-kron 2.0's key
 streams (which the JAX transform uses to reproduce its draws).
 """
 
@@ -62,15 +63,26 @@ class _Region(NamedTuple):
 
 
 class _Stack(NamedTuple):
-    """Blocks of one shape and side kinds, fitted by one vmapped call."""
+    """Blocks of one shape and side kinds, fitted by one vmapped call.
 
-    stream: str  # key stream (``_STREAM_SEEDS``)
+    ``keys`` says where each unit's key comes from: runs of consecutive units
+    (padding last), each a key stream (a key of ``_Plan.stream_sizes``) and the
+    units' indices in it. The blocks of one parameter, or all blocks with two
+    dense sides, share a stream (distributed-kron 2.0's draws); a stack holds
+    blocks of several parameters when their shapes agree.
+    """
+
     diagonal: tuple[bool, ...]  # per side
     shape: tuple[int, ...]  # block shape
     draw_shape: tuple[int, ...]  # shape of distributed-kron's padded block
     regions: tuple[_Region, ...]
-    key_index: np.ndarray  # per unit (padding included): index in its stream
+    keys: tuple[tuple[str | tuple, np.ndarray], ...]  # (stream, indices) runs
     padding: int  # units added so the stack splits evenly over the pipeline axis
+
+    @property
+    def units(self) -> int:
+        """The number of blocks fitted together, padding included."""
+        return sum(len(index) for _, index in self.keys)
 
 
 class _Plan(NamedTuple):
@@ -139,21 +151,42 @@ def _leaf_regions(leaf, merged, blocked):
     return regions, grid
 
 
+def stream_kind(stream: str | tuple) -> str:
+    """The kind of a key stream ('dense', 'diagonal', 'columns', 'rows' or
+    'vector'): the name of its seed."""
+    return "dense" if stream == "dense" else str(stream[0])
+
+
+def _key_runs(members: list, padding: int) -> tuple:
+    """(stream, indices) runs of a stack's members (region, stream, indices),
+    consecutive members of one stream joined; the padding units take index 0 of
+    the last stream."""
+    runs: list[tuple] = []
+    for _, stream, index in members:
+        if runs and runs[-1][0] == stream:
+            runs[-1] = (stream, np.concatenate([runs[-1][1], index]))
+        else:
+            runs.append((stream, index))
+    if padding:
+        stream, index = runs[-1]
+        runs[-1] = (stream, np.concatenate([index, np.zeros(padding, int)]))
+    return tuple(runs)
+
+
 def _stacks(groups: dict, pipeline_size: int) -> tuple[_Stack, ...]:
     """One stack per group of equal blocks, padded (but the vectors') to a
     multiple of the pipeline size."""
     stacks = []
-    for (stream, diagonal, shape, draw_shape), members in groups.items():
-        key_index = np.concatenate([index for _, index in members])
-        padding = 0 if stream[0] == "vector" else -len(key_index) % pipeline_size
+    for (kind, diagonal, shape, draw_shape), members in groups.items():
+        units = sum(len(index) for _, _, index in members)
+        padding = 0 if kind == "vector" else -units % pipeline_size
         stacks.append(
             _Stack(
-                stream=stream,
                 diagonal=diagonal,
                 shape=shape,
                 draw_shape=draw_shape,
-                regions=tuple(region for region, _ in members),
-                key_index=np.concatenate([key_index, np.zeros(padding, int)]),
+                regions=tuple(region for region, _, _ in members),
+                keys=_key_runs(members, padding),
                 padding=padding,
             )
         )
@@ -173,7 +206,7 @@ def _plan(
     one 'dense' stream shared by all blocks with two dense sides, one stream
     per other parameter)."""
     batch, merged_shapes = [], []
-    groups: dict[tuple, list] = {}  # (stream, diagonal, shape, draw) -> regions
+    groups: dict[tuple, list] = {}  # (kind, diagonal, shape, draw) -> members
     stream_sizes: dict = {}
     dense_units = 0
     for leaf, (shape, is_scanned) in enumerate(zip(shapes, scanned, strict=True)):
@@ -198,9 +231,9 @@ def _plan(
             d if b is None else b for d, b in zip(merged, blocked, strict=False)
         )
         for region in regions:
-            key = (stream, diagonal, region.shape, draw_shape)
+            key = (stream_kind(stream), diagonal, region.shape, draw_shape)
             index = base + _region_key_index(region, B, grid)
-            groups.setdefault(key, []).append((region, index))
+            groups.setdefault(key, []).append((region, stream, index))
     if dense_units:
         stream_sizes["dense"] = dense_units
     # distributed-kron pads every stream but the vectors' to the pipeline size.

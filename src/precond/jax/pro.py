@@ -50,6 +50,7 @@ from precond._common.pro_layout import (  # noqa: F401  (re-exported)
     _Region,
     _Stack,
     merged_shape,
+    stream_kind,
 )
 from precond._common.validation import (
     check_choice,
@@ -294,7 +295,7 @@ def _init_factors(plan: _Plan, dtype, init_scale: float, pipeline_spec) -> tuple
     init_scale for a diagonal side), Lipschitz estimates 0."""
     factors, lipschitz = [], []
     for stack in plan.stacks:
-        units = len(stack.key_index)
+        units = stack.units
         sides = []
         for d, diag in zip(stack.shape, stack.diagonal, strict=True):
             one = jnp.ones(d, dtype) if diag else jnp.eye(d, dtype=dtype)
@@ -367,12 +368,17 @@ def _stack_input(stack: _Stack, views: list) -> jax.Array:
     return G
 
 
-def _unit_keys(stack: _Stack, stream_size: int, count, pipeline_spec) -> jax.Array:
+def _unit_keys(stack: _Stack, stream_sizes: dict, count, pipeline_spec) -> jax.Array:
     """Each unit's key at step ``count``: its index in its stream's split of
     step_key(stream seed, count) (distributed-kron 2.0.0's draws)."""
-    name = stack.stream if stack.stream == "dense" else stack.stream[0]
-    stream_keys = jax.random.split(step_key(_STREAM_SEEDS[name], count), stream_size)
-    return _constrain(stream_keys[stack.key_index], pipeline_spec)
+    splits: dict[tuple, jax.Array] = {}  # a stream's keys depend on (seed, size)
+    runs = []
+    for stream, index in stack.keys:
+        seed, size = _STREAM_SEEDS[stream_kind(stream)], stream_sizes[stream]
+        if (seed, size) not in splits:
+            splits[seed, size] = jax.random.split(step_key(seed, count), size)
+        runs.append(splits[seed, size][index])
+    return _constrain(jnp.concatenate(runs), pipeline_spec)
 
 
 def _fit_stack(stack, keys, factors, lipschitz, G, balance, do_fit, recipe):
@@ -415,7 +421,7 @@ def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, recipe):
     for stack, factors, lipschitz in zip(
         plan.stacks, state.factors, state.lipschitz, strict=True
     ):
-        keys = _unit_keys(stack, plan.stream_sizes[stack.stream], count, spec)
+        keys = _unit_keys(stack, plan.stream_sizes, count, spec)
         G = _constrain(_stack_input(stack, views), spec)
         fitted, fitted_lipschitz, PG = _fit_stack(
             stack, keys, factors, lipschitz, G, balance, do_fit, recipe
