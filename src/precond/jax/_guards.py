@@ -26,7 +26,13 @@ def gradients_are_usable(*trees) -> jax.Array:
     leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
     if not leaves:
         return jnp.asarray(True)
-    return jnp.all(jnp.stack([jnp.isfinite(_squared_norm(x)) for x in leaves]))
+    finite = jnp.stack([jnp.isfinite(_squared_norm(x)) for x in leaves])
+    # Reduced after a sort, which XLA neither rewrites nor copies: it rewrites a
+    # reduction of stacked scalars into a chain of ``and``s over all the leaves
+    # and fuses a copy of that chain into every consumer (each leaf's masked
+    # update and state), so the program grew as leaves², and its compile time
+    # with it (BENCHMARKS.md, "pro: compile time").
+    return jnp.all(jax.lax.sort(finite.astype(jnp.int32)))
 
 
 def all_finite(*trees) -> jax.Array:
