@@ -13,7 +13,9 @@ with ``--seeds`` seeds (3). Per budget, each optimizer's rate is the one with
 the lowest mean final validation loss, and the table gives at that rate: the
 validation loss (mean ± std over seeds), the steps and the training seconds
 until the validation curve reaches AdamW's final validation loss and stays
-(ratios to AdamW's whole run), and the median step time. With several budgets,
+(ratios to AdamW's whole run), and the median step time; a second table counts
+steps and seconds to AdamW's final *training* loss, as issue [4 of 6]'s "What was
+seen" table did (:func:`train_loss_to_target`). With several budgets,
 a last table gives each optimizer's smallest budget whose whole runs end at or
 below AdamW's final loss at the largest budget (:func:`budget_to_target`).
 
@@ -56,6 +58,7 @@ import ast
 import dataclasses
 import json
 import pathlib
+import statistics
 import sys
 import time
 
@@ -264,6 +267,58 @@ def budget_to_target(rows_by_budget: dict, baseline: str = "adamw") -> str:
     return "\n".join(lines)
 
 
+def train_loss_to_target(results: list, baseline: str = "adamw") -> str:
+    """Steps and training seconds to ``baseline``'s final *training* loss.
+
+    Issue [4 of 6]'s "What was seen" table counts steps and time to AdamW's final
+    training loss; the tables above count them to its validation loss. Here the
+    target is ``baseline``'s mean final training loss (at its best rate by
+    validation loss, as everywhere), each run's curve is its training loss (the
+    mean minibatch loss over the ``eval_every`` steps before each evaluation),
+    and the step and time are where that curve reaches the target and stays
+    (:func:`precond.bench.analysis.reached_and_stayed`), meaned over seeds when
+    every seed reaches it."""
+    from precond.bench import analysis
+
+    groups = analysis.group_runs(results)
+    chosen = analysis.select_learning_rates(results)
+    runs = {key[2]: groups[key][chosen[key]] for key in groups}
+    base = runs[baseline]
+    target = statistics.fmean(r.final_train_loss for r in base)
+    base_steps = statistics.fmean(r.steps for r in base)
+    base_s = statistics.fmean(r.train_s for r in base)
+    lines = [
+        f"Steps and training seconds to {baseline}'s final training loss "
+        f"({target:.4f}, mean over seeds), reached and stayed",
+        "",
+        "| optimizer | lr | final train loss | steps to it | time to it |",
+        "|---|---|---|---|---|",
+    ]
+    for name, group in runs.items():
+        steps = [
+            analysis.reached_and_stayed(
+                *analysis.loss_curve(r, "step", "train_loss"), target
+            )
+            for r in group
+        ]
+        times = [
+            analysis.reached_and_stayed(
+                *analysis.loss_curve(r, "time_s", "train_loss"), target
+            )
+            for r in group
+        ]
+        if None in steps or None in times:
+            reached = "not reached | not reached"
+        else:
+            s, t = statistics.fmean(steps), statistics.fmean(times)
+            reached = f"{s:.0f} ({s / base_steps:.2f}) | {t:.1f} s ({t / base_s:.2f})"
+        final = statistics.fmean(r.final_train_loss for r in group)
+        lines.append(
+            f"| {name} | {group[0].learning_rate:g} | {final:.4f} | {reached} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from precond.bench.machine import available_cores, configure_threads, environment
@@ -310,6 +365,9 @@ def main(argv=None) -> int:
             f"rates x {rates} ({time.time() - start:.0f} s)\n\n"
             f"```\n{table}\n{fastest}\n```\n"
         )
+        sections.append(section)
+        print(section, flush=True)
+        section = train_loss_to_target(outcome.results) + "\n"
         sections.append(section)
         print(section, flush=True)
         report.write_json(

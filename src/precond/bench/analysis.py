@@ -70,10 +70,15 @@ def value_at(xs: Sequence[float], losses: Sequence[float], x: float) -> float | 
     return float(losses[0])
 
 
-def _curve(run: RunResult, axis: str) -> tuple[list[float], list[float]]:
+def loss_curve(
+    run: RunResult, axis: str, loss: str = "val_loss"
+) -> tuple[list[float], list[float]]:
+    """(xs, losses) of ``run``'s evaluations: ``axis`` 'step' or 'time_s',
+    ``loss`` 'val_loss' or 'train_loss' (the mean minibatch loss since the
+    previous evaluation)."""
     return (
         [float(h[axis]) for h in run.history],
-        [float(h["val_loss"]) for h in run.history],
+        [float(h[loss]) for h in run.history],
     )
 
 
@@ -214,19 +219,19 @@ def summarize(results: Sequence[RunResult], baseline: str = "adamw") -> list[Sum
         row.target = base.val_loss if math.isfinite(base.val_loss) else None
         if row.target is not None:
             row.steps_to_target = _all_or_none(
-                [reached_and_stayed(*_curve(r, "step"), row.target) for r in runs]
+                [reached_and_stayed(*loss_curve(r, "step"), row.target) for r in runs]
             )
             row.time_to_target = _all_or_none(
-                [reached_and_stayed(*_curve(r, "time_s"), row.target) for r in runs]
+                [reached_and_stayed(*loss_curve(r, "time_s"), row.target) for r in runs]
             )
         row.steps_ratio = _ratio(row.steps_to_target, base.steps)
         row.time_ratio = _ratio(row.time_to_target, base.train_s)
         row.val_loss_at_baseline_steps = _all_or_none(
-            [value_at(*_curve(r, "step"), base.steps) for r in runs]
+            [value_at(*loss_curve(r, "step"), base.steps) for r in runs]
         )
         base_time = _mean([r.train_s for r in base_runs])
         row.val_loss_at_baseline_time = _all_or_none(
-            [value_at(*_curve(r, "time_s"), base_time) for r in runs]
+            [value_at(*loss_curve(r, "time_s"), base_time) for r in runs]
         )
         row.step_ratio = _ratio(row.median_step_ms, base.median_step_ms)
         row.state_ratio = _ratio(row.state_bytes, base.state_bytes)
