@@ -18,6 +18,7 @@ import pytest
 from precond.bench import cli, suite
 from precond.bench.analysis import (
     fastest,
+    loss_curve,
     reached_and_stayed,
     select_learning_rates,
     summarize,
@@ -279,6 +280,20 @@ def _run(optimizer, lr, seed, losses, times=None, **fields) -> RunResult:
         "history": history,
     }
     return RunResult(**(values | fields))
+
+
+def test_loss_curve_reads_the_loss_asked_for():
+    run = _run("adamw", 1e-3, 0, [3.0, 2.0, 1.0])
+    run.history[0]["train_loss"] = math.nan  # as the runner records step 0
+    run.history[1]["train_loss"], run.history[2]["train_loss"] = 2.5, 1.5
+    assert loss_curve(run, "step") == ([0.0, 10.0, 20.0], [3.0, 2.0, 1.0])
+    xs, train = loss_curve(run, "time_s", "train_loss")
+    assert xs == pytest.approx([0.0, 0.1, 0.2])
+    assert math.isnan(train[0])
+    assert train[1:] == [2.5, 1.5]
+    # The training curve reaches 2.0 between its evaluations at 10 and 20.
+    curve = loss_curve(run, "step", "train_loss")
+    assert reached_and_stayed(*curve, 2.0) == pytest.approx(15.0)
 
 
 def test_summary_selects_rates_and_compares_with_adamw():
