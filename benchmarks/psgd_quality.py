@@ -294,28 +294,26 @@ def train_loss_to_target(results: list, baseline: str = "adamw") -> str:
         "| optimizer | lr | final train loss | steps to it | time to it |",
         "|---|---|---|---|---|",
     ]
+
+    def reached(group, axis: str) -> float | None:
+        """The mean over ``group``'s seeds, or None unless every seed reaches."""
+        points = [
+            analysis.reached_and_stayed(
+                *analysis.loss_curve(r, axis, "train_loss"), target
+            )
+            for r in group
+        ]
+        found = [x for x in points if x is not None]
+        return statistics.fmean(found) if len(found) == len(points) else None
+
     for name, group in runs.items():
-        steps = [
-            analysis.reached_and_stayed(
-                *analysis.loss_curve(r, "step", "train_loss"), target
-            )
-            for r in group
-        ]
-        times = [
-            analysis.reached_and_stayed(
-                *analysis.loss_curve(r, "time_s", "train_loss"), target
-            )
-            for r in group
-        ]
-        if None in steps or None in times:
-            reached = "not reached | not reached"
+        s, t = reached(group, "step"), reached(group, "time_s")
+        if s is None or t is None:
+            cells = "not reached | not reached"
         else:
-            s, t = statistics.fmean(steps), statistics.fmean(times)
-            reached = f"{s:.0f} ({s / base_steps:.2f}) | {t:.1f} s ({t / base_s:.2f})"
+            cells = f"{s:.0f} ({s / base_steps:.2f}) | {t:.1f} s ({t / base_s:.2f})"
         final = statistics.fmean(r.final_train_loss for r in group)
-        lines.append(
-            f"| {name} | {group[0].learning_rate:g} | {final:.4f} | {reached} |"
-        )
+        lines.append(f"| {name} | {group[0].learning_rate:g} | {final:.4f} | {cells} |")
     return "\n".join(lines)
 
 
