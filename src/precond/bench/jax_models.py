@@ -169,10 +169,14 @@ CHAR_LM_LAYERS = 2
 CHAR_LM_MLP_RATIO = 4
 
 
-def init_char_lm(seed: int) -> Params:
-    """A decoder-only transformer: byte and position embeddings, ``CHAR_LM_LAYERS``
-    pre-norm blocks (causal multi-head self-attention, then a GELU MLP), a final
-    layer norm and an untied output head.
+def init_char_lm(
+    seed: int, d_model: int = CHAR_LM_D_MODEL, layers: int = CHAR_LM_LAYERS
+) -> Params:
+    """A decoder-only transformer: byte and position embeddings, ``layers``
+    pre-norm blocks of width ``d_model`` (causal multi-head self-attention, then
+    a GELU MLP), a final layer norm and an untied output head (the bench's
+    char-lm: ``CHAR_LM_D_MODEL`` and ``CHAR_LM_LAYERS``; other sizes for
+    benchmarks/update_cost.py).
 
     Matrices are N(0, 1/fan_in), block output projections also scaled by
     1/√(2·layers); embeddings N(0, 1), layer-norm scales 1, biases 0, and the head
@@ -181,16 +185,16 @@ def init_char_lm(seed: int) -> Params:
     import jax
     import jax.numpy as jnp
 
-    d, hidden = CHAR_LM_D_MODEL, CHAR_LM_MLP_RATIO * CHAR_LM_D_MODEL
-    out_std = (2 * CHAR_LM_LAYERS) ** -0.5
+    d, hidden = d_model, CHAR_LM_MLP_RATIO * d_model
+    out_std = (2 * layers) ** -0.5
 
     def init(key):
-        keys = iter(jax.random.split(key, 3 + 4 * CHAR_LM_LAYERS))
+        keys = iter(jax.random.split(key, 3 + 4 * layers))
 
         def norm():
             return {"scale": jnp.ones(d), "bias": jnp.zeros(d)}
 
-        layers = [
+        blocks = [
             {
                 "norm_1": norm(),
                 "attn_qkv": _normal(next(keys), (d, 3 * d), d**-0.5),
@@ -203,12 +207,12 @@ def init_char_lm(seed: int) -> Params:
                 "mlp_out": _normal(next(keys), (hidden, d), out_std * hidden**-0.5),
                 "mlp_out_bias": jnp.zeros(d),
             }
-            for _ in range(CHAR_LM_LAYERS)
+            for _ in range(layers)
         ]
         return {
             "embedding": _normal(next(keys), (CHAR_LM_VOCAB, d), 1.0),
             "position": _normal(next(keys), (CHAR_LM_CONTEXT, d), 1.0),
-            "layers": layers,
+            "layers": blocks,
             "final_norm": norm(),
             "head": _normal(next(keys), (d, CHAR_LM_VOCAB), 0.02),
         }
@@ -240,12 +244,13 @@ def layer_norm(x, norm: dict[str, Any]):
 
 def char_lm_logits(params: Params, tokens):
     """Next-byte logits of shape (batch, time, 256) for int tokens (batch, time),
-    time ≤ ``CHAR_LM_CONTEXT``; position t depends on tokens[:, : t + 1] only."""
+    time ≤ ``CHAR_LM_CONTEXT``; position t depends on tokens[:, : t + 1] only.
+    The width and depth are the params' own."""
     import jax
     import jax.numpy as jnp
 
     batch, time = tokens.shape
-    heads, d = CHAR_LM_HEADS, CHAR_LM_D_MODEL
+    heads, d = CHAR_LM_HEADS, params["embedding"].shape[-1]
     causal = jnp.tril(jnp.ones((time, time), dtype=bool))
     x = params["embedding"][tokens] + params["position"][:time]
     for layer in params["layers"]:
