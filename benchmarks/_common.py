@@ -74,3 +74,19 @@ def progress_log(t0: float) -> Callable[[str], None]:
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
 
     return log
+
+
+def jax_stepper(tx, params, grads) -> Callable[[int], None]:
+    """``run(n)``: n jitted, donated updates of ``tx`` fed back their state."""
+    compiled = jax.jit(tx.update, donate_argnums=1)
+    box = [tx.init(params)]
+
+    def run(n: int) -> None:
+        state = box[0]
+        for _ in range(n):
+            updates, state = compiled(grads, state, params)
+        jax.block_until_ready((updates, state))
+        box[0] = state
+
+    run(2)  # compile, and the first (always fitting) step
+    return run

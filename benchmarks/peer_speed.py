@@ -78,7 +78,7 @@ import jax
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import machine_info
+from benchmarks._common import jax_stepper, machine_info
 
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4
@@ -111,22 +111,6 @@ def _dict_keyed(tree):
     """The leaves as a flat dict (distributed-kron 1.0.0's ``kron`` reads a key
     from every path entry, and the char-lm's layers are lists)."""
     return {f"{i:05d}": x for i, x in enumerate(jax.tree.leaves(tree))}
-
-
-def jax_stepper(tx, params, grads) -> Callable[[int], None]:
-    """``run(n)``: n jitted, donated updates of ``tx`` fed back their state."""
-    compiled = jax.jit(tx.update, donate_argnums=1)
-    box = [tx.init(params)]
-
-    def run(n: int) -> None:
-        state = box[0]
-        for _ in range(n):
-            updates, state = compiled(grads, state, params)
-        jax.block_until_ready((updates, state))
-        box[0] = state
-
-    run(2)  # compile, and the first (always fitting) step
-    return run
 
 
 def torch_stepper(make, model: str, warmup: int = 2) -> Callable[[int], None]:

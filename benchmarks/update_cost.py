@@ -38,6 +38,7 @@ import time
 import jax
 
 import precond.jax as pj
+from _common import jax_stepper
 from precond.bench.data import CHAR_LM_CONTEXT, CHAR_LM_VOCAB
 from precond.bench.jax_models import init_char_lm
 from precond.bench.optimizers import OPTIMIZERS
@@ -75,22 +76,6 @@ def optimizers() -> dict:
     }
 
 
-def stepper(optimizer, params, grads):
-    """``run(n)``: n compiled updates from a state past the first step."""
-    update = jax.jit(optimizer.update)
-    box = [optimizer.init(params)]
-
-    def run(n: int) -> None:
-        state = box[0]
-        for _ in range(n):
-            out, state = update(grads, state, params)
-        jax.block_until_ready((out, state))
-        box[0] = state
-
-    run(2)  # compile; the first step (pro: always a fit)
-    return run
-
-
 def gradient_seconds(params, batch_size: int, repeats: int) -> float:
     """Median seconds of one compiled value_and_grad of the bench's loss."""
     loss = get_workload("char-lm").loss
@@ -118,7 +103,7 @@ def measure(width: int, layers: int, steps: int, rounds: int, batch_size: int):
             for k, x in zip(keys, leaves, strict=True)
         ]
     )
-    runs = {name: stepper(o, params, grads) for name, o in optimizers().items()}
+    runs = {name: jax_stepper(o, params, grads) for name, o in optimizers().items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds):
         order = list(runs) if r % 2 == 0 else list(reversed(runs))
