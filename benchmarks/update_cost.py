@@ -39,6 +39,7 @@ import jax
 
 import precond.jax as pj
 from _common import jax_stepper
+from precond.bench import arguments
 from precond.bench.data import CHAR_LM_CONTEXT, CHAR_LM_VOCAB
 from precond.bench.jax_models import init_char_lm
 from precond.bench.optimizers import OPTIMIZERS
@@ -47,11 +48,6 @@ from precond.bench.workloads import get_workload
 # pro between fits: its first step fits (the factors start as identities), then
 # a probability no run of this script reaches.
 NEVER = 1e-9
-
-
-def _shape(text: str) -> tuple[int, int]:
-    width, _, layers = text.partition("x")
-    return int(width), int(layers)
 
 
 def optimizers() -> dict:
@@ -118,7 +114,9 @@ def measure(width: int, layers: int, steps: int, rounds: int, batch_size: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--shapes", default="64x2,256x4")
+    parser.add_argument(
+        "--shapes", type=arguments.transformer_shapes, default="64x2,256x4"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -129,7 +127,7 @@ def main(argv=None) -> int:
         f"gradient ms (batch {args.batch_size}) |"
     )
     print("|---|---:|---|---:|---:|---:|")
-    for width, layers in map(_shape, args.shapes.split(",")):
+    for width, layers in args.shapes:
         size, medians, grad_s = measure(
             width, layers, args.steps, args.rounds, args.batch_size
         )

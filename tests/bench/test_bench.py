@@ -186,6 +186,48 @@ def test_char_lm_transformer_starts_uniform_is_causal_and_learns():
     assert losses[-1] < losses[0] - 1.0
 
 
+@pytest.mark.parametrize(
+    ("text", "shape"), [("256x4", (256, 4)), (" 8x1", (8, 1)), ("64x2", (64, 2))]
+)
+def test_transformer_shape_builds_that_char_lm(text, shape):
+    """``--model WIDTHxLAYERS`` (benchmarks/psgd_quality.py, update_cost.py) gives
+    a transformer of that width and depth that starts near the uniform loss."""
+    import jax
+
+    from precond.bench.arguments import transformer_shape
+    from precond.bench.jax_models import init_char_lm
+
+    assert transformer_shape(text) == shape
+    if shape[0] > 64:
+        return  # the small shapes check the model; this one only the parsing
+    params = init_char_lm(0, d_model=shape[0], layers=shape[1])
+    assert params["embedding"].shape == (256, shape[0])
+    assert len(params["layers"]) == shape[1]
+    split = get_workload("char-lm").load_split(0)
+    x, y = split.x_train[:4], split.y_train[:4]
+    loss = get_workload("char-lm").loss
+    assert abs(float(jax.jit(loss)(params, x, y)) - np.log(256)) < 0.05
+
+
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ("256", "not of the form WIDTHxLAYERS"),
+        ("ax4", "not of the form WIDTHxLAYERS"),
+        ("250x4", "a multiple of the 4 heads"),
+        ("256x0", "both numbers >= 1"),
+        ("0x2", "both numbers >= 1"),
+    ],
+)
+def test_transformer_shape_refuses_bad_text(text, phrase):
+    import argparse
+
+    from precond.bench.arguments import transformer_shape
+
+    with pytest.raises(argparse.ArgumentTypeError, match=phrase):
+        transformer_shape(text)
+
+
 def test_torch_models_match_the_jax_architectures():
     torch = pytest.importorskip("torch")
     import jax

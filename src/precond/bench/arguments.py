@@ -110,3 +110,28 @@ def learning_rate_grid(
         return family, rates
 
     return parse
+
+
+def transformer_shape(text: str) -> tuple[int, int]:
+    """``WIDTHxLAYERS`` (e.g. ``256x4``): the width and depth of a char-lm
+    transformer, the width a multiple of its attention heads."""
+    from precond.bench.jax_models import CHAR_LM_HEADS
+
+    width, sep, layers = text.strip().partition("x")
+    try:
+        shape = int(width), int(layers)
+    except ValueError:
+        shape = None
+    if not sep or shape is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not of the form WIDTHxLAYERS")
+    if shape[0] < 1 or shape[0] % CHAR_LM_HEADS or shape[1] < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text}: the width must be a multiple of the {CHAR_LM_HEADS} heads "
+            "and both numbers >= 1"
+        )
+    return shape
+
+
+def transformer_shapes(text: str) -> list[tuple[int, int]]:
+    """Comma-separated :func:`transformer_shape` items, e.g. ``64x2,256x4``."""
+    return [transformer_shape(item) for item in text.split(",") if item.strip()]
