@@ -81,6 +81,16 @@ def _rate(text: str) -> tuple[str, float]:
     return name, rate
 
 
+def _with_baseline(text: str) -> list[str]:
+    """Comma-separated optimizer names, ``adamw`` (the tables' baseline) among them."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if "adamw" not in names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} lacks adamw, the baseline every table is measured against"
+        )
+    return names
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=arguments.positive_ints, default="300,2000")
@@ -97,7 +107,10 @@ def _parse(argv):
         help="an optimizer's rate before the multipliers (default: its bench rate)",
     )
     parser.add_argument(
-        "--optimizers", default="adamw,muon,kron,pro,pro-compact,pro-p0.5,dk2-pro"
+        "--optimizers",
+        type=_with_baseline,
+        default="adamw,muon,kron,pro,pro-compact,pro-p0.5,dk2-pro",
+        help="comma-separated names, adamw (every table's baseline) among them",
     )
     parser.add_argument("--batch-size", type=arguments.positive_int, default=16)
     parser.add_argument(
@@ -365,7 +378,7 @@ def main(argv=None) -> int:
     from precond.bench.runner import WARMUP_FRACTION
 
     workload = char_lm(args.model, args.eval_every)
-    specs = _specs(args.optimizers.split(","))
+    specs = _specs(args.optimizers)
     width, layers = args.model or (CHAR_LM_D_MODEL, CHAR_LM_LAYERS)
     model = f"d {width}, {layers} layers"
     out = pathlib.Path(args.out)
