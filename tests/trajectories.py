@@ -6,8 +6,9 @@ n_t each step, all drawn from the seed), takes ``STEPS`` steps and returns the
 final parameters θ_T and the last update u_T for each of ``SEEDS``. Torch's K-FAC
 cases train a tiny MLP on fixed inputs instead. ``tests/test_trajectories.py``
 asserts that they equal the recordings in ``tests/data/trajectories`` bit for bit
-on the machine kind they were recorded on (:func:`machine`: the CPU's vendor and
-vector extensions, which XLA's code generation and torch's kernels choose by),
+on the machine kind they were recorded on (:func:`machine`: the CPU's vendor,
+family, model and vector extensions, which XLA's code generation and torch's
+kernels choose by),
 and to ``CROSS_MACHINE_RTOL`` on any other.
 
 Record (one file per case, so re-recording a deliberate change is one command)::
@@ -438,9 +439,11 @@ _KERNEL_FEATURES = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
 
 
 def machine() -> str:
-    """The kind of CPU the numbers were made on: its vendor and the vector
-    extensions of ``_KERNEL_FEATURES`` it has (Linux; elsewhere the platform's
-    name)."""
+    """The kind of CPU the numbers were made on: its vendor, family and model
+    (LLVM, and so XLA, tunes its code to the microarchitecture they name: an AMD
+    EPYC of family 26 rounds 22 cases differently from an earlier AMD EPYC with
+    the same extensions) and the vector extensions of ``_KERNEL_FEATURES`` it has
+    (Linux; elsewhere the platform's name)."""
     try:
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -448,8 +451,10 @@ def machine() -> str:
     fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
     fields = {k.strip(): v.split() for k, v in fields.items()}
     vendor = " ".join(fields.get("vendor_id", ["unknown"]))
+    family = "family " + " ".join(fields.get("cpu family", ["unknown"]))
+    model = "model " + " ".join(fields.get("model", ["unknown"]))
     features = [f for f in _KERNEL_FEATURES if f in fields.get("flags", [])]
-    return " ".join([vendor, *features])
+    return " ".join([vendor, family, model, *features])
 
 
 def record(names: list[str]) -> None:
