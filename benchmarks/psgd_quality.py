@@ -2,24 +2,28 @@
 Muon and AdamW on the bench's char-lm, at equal steps and equal time.
 
 Every optimizer runs the same protocol, through the bench's own runner
-(``precond.bench``): the char-lm workload (2-layer transformer, d 64, context 64,
-next byte of Python's help topics; ``--model 256x4`` gives it width 256 and 4
-layers, as issue [4 of 6]'s larger transformer), validation every
-``--eval-every`` steps (the bench's 25), minibatch ``--batch-size`` (16), the bench's
-schedule (linear warm-up over 5% of the steps, cosine to 0; or the warm-up of
-``--lr-warmup-steps`` and a decay to ``--lr-final-fraction`` of the peak: issue
-[4 of 6]'s protocol is 20 and 0.1), its weight decay
-(1e-4, decoupled), for each step budget of ``--steps`` (300 and 2000), at each
-rate of its learning-rate sweep (its bench rate times ``--lr-multipliers``),
-with ``--seeds`` seeds (3). Per budget, each optimizer's rate is the one with
-the lowest mean final validation loss, and the table gives at that rate: the
-validation loss (mean ± std over seeds), the steps and the training seconds
-until the validation curve reaches AdamW's final validation loss and stays
-(ratios to AdamW's whole run), and the median step time; a second table counts
-steps and seconds to AdamW's final *training* loss, as issue [4 of 6]'s "What was
-seen" table did (:func:`train_loss_to_target`). With several budgets,
-a last table gives each optimizer's smallest budget whose whole runs end at or
-below AdamW's final loss at the largest budget (:func:`budget_to_target`).
+(``precond.bench``): the char-lm workload (2-layer transformer, d 64, context
+64, next byte of Python's help topics; ``--model 256x4`` gives it width 256 and
+4 layers, as issue [4 of 6]'s larger transformer), validation every
+``--eval-every`` steps (the bench's 25), minibatch ``--batch-size`` (16), the
+bench's schedule (linear warm-up over 5% of the steps, cosine to 0; or the
+warm-up of ``--lr-warmup-steps`` and a decay to ``--lr-final-fraction`` of the
+peak: issue [4 of 6]'s protocol is 20 and 0.1), its weight decay (1e-4,
+decoupled), for each step budget of ``--steps`` (300 and 2000), at each rate of
+its learning-rate sweep (its bench rate times ``--lr-multipliers``), with
+``--seeds`` seeds (3; the first ``--first-seed``, 0). Per budget, each
+optimizer's rate is the one with the lowest mean final validation loss, and the
+table gives at that rate: the validation loss (mean ± std over seeds), the steps
+and the training seconds until the validation curve reaches AdamW's final
+validation loss and stays (ratios to AdamW's whole run), and the median step
+time; a second table counts steps and seconds to AdamW's final *training* loss,
+as issue [4 of 6]'s "What was seen" table did (:func:`train_loss_to_target`).
+With several budgets, a last table gives each optimizer's smallest budget whose
+whole runs end at or below AdamW's final loss at the largest budget
+(:func:`budget_to_target`). ``--merge FILE…`` runs nothing and reports on the
+union of earlier runs' ``results-STEPS.json`` (:func:`recorded`): seeds run by
+separate invocations of one protocol, e.g. ``--seeds 1`` then ``--seeds 2
+--first-seed 1``.
 
 Optimizers (``--optimizers``):
 
@@ -96,6 +100,12 @@ def _parse(argv):
     parser.add_argument("--steps", type=arguments.positive_ints, default="300,2000")
     parser.add_argument("--seeds", type=arguments.positive_int, default=3)
     parser.add_argument(
+        "--first-seed",
+        type=arguments.number(int, 0),
+        default=0,
+        help="run seeds first-seed, …, first-seed + seeds − 1 (default 0)",
+    )
+    parser.add_argument(
         "--lr-multipliers", type=arguments.multipliers, default="0.3,1,3"
     )
     parser.add_argument(
@@ -146,6 +156,14 @@ def _parse(argv):
     )
     parser.add_argument("--out", default="psgd-quality")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="run nothing: report on the union of these results-STEPS.json files "
+        "(earlier runs of this script, e.g. different --first-seed)",
+    )
     return parser.parse_args(argv)
 
 
@@ -367,12 +385,44 @@ def train_loss_to_target(results: list, baseline: str = "adamw") -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = _parse(argv)
-    from precond.bench.machine import available_cores, configure_threads, environment
+def budget_sections(heading: str, results: list) -> tuple[list, list[str]]:
+    """One budget's summary rows, and its report sections under ``heading``: the
+    table at each optimizer's best rate with the fastest to AdamW's loss, then
+    :func:`train_loss_to_target`'s table."""
+    from precond.bench import analysis, report
 
-    threads = configure_threads(args.threads or available_cores(), ("jax",))
-    from precond.bench import analysis, report, suite
+    rows = analysis.summarize(results)
+    table = report.format_table(rows)
+    fastest = report.format_fastest(rows)
+    sections = [
+        f"## {heading}\n\n```\n{table}\n{fastest}\n```\n",
+        train_loss_to_target(results) + "\n",
+    ]
+    return rows, sections
+
+
+def recorded(paths: list[str]) -> dict[int, list]:
+    """The runs of ``results-STEPS.json`` files written by this script, by step
+    budget; a run (optimizer, rate, seed, budget) found twice is an error."""
+    from precond.bench.report import run_from_json
+
+    by_budget: dict[int, list] = {}
+    seen: dict[tuple, str] = {}
+    for path in paths:
+        for entry in json.loads(pathlib.Path(path).read_text()):
+            run = run_from_json(entry)
+            key = (run.optimizer, run.learning_rate, run.seed, run.budget)
+            if key in seen:
+                raise SystemExit(f"--merge: the run {key} is in {seen[key]} and {path}")
+            seen[key] = path
+            by_budget.setdefault(int(run.budget.split()[0]), []).append(run)
+    return by_budget
+
+
+def _run_budgets(args, threads: int, out: pathlib.Path, sections: list) -> dict:
+    """Runs every budget of ``args.steps``, writing ``results-STEPS.json`` and
+    adding each budget's sections; the summary rows by budget."""
+    from precond.bench import report, suite
     from precond.bench.jax_models import CHAR_LM_D_MODEL, CHAR_LM_LAYERS
     from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY
     from precond.bench.runner import WARMUP_FRACTION
@@ -380,17 +430,14 @@ def main(argv=None) -> int:
     workload = char_lm(args.model, args.eval_every)
     specs = _specs(args.optimizers)
     width, layers = args.model or (CHAR_LM_D_MODEL, CHAR_LM_LAYERS)
-    model = f"d {width}, {layers} layers"
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sections = []
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     rows_by_budget = {}
     for steps in args.steps:
         jobs = suite.plan(
             ["jax"],
             [workload],
             specs,
-            seeds=range(args.seeds),
+            seeds=seeds,
             lr_multipliers=args.lr_multipliers,
             lr_overrides=dict(args.lr),
             steps=steps,
@@ -402,29 +449,53 @@ def main(argv=None) -> int:
             ),
             lr_final_fraction=args.lr_final_fraction,
         )
-        jobs = interleaved(jobs)
         start = time.time()
-        outcome = suite.run_suite(jobs, DEFAULT_WEIGHT_DECAY, not args.no_progress)
-        rows = analysis.summarize(outcome.results)
-        rows_by_budget[steps] = rows
-        table = report.format_table(rows)
-        fastest = report.format_fastest(rows)
-        rates = ",".join(f"{m:g}" for m in args.lr_multipliers)
-        section = (
-            f"## {steps} steps, {model}, batch {args.batch_size}, {args.seeds} seeds, "
-            f"rates x {rates} ({time.time() - start:.0f} s)\n\n"
-            f"```\n{table}\n{fastest}\n```\n"
+        outcome = suite.run_suite(
+            interleaved(jobs), DEFAULT_WEIGHT_DECAY, not args.no_progress
         )
-        sections.append(section)
-        print(section, flush=True)
-        section = train_loss_to_target(outcome.results) + "\n"
-        sections.append(section)
-        print(section, flush=True)
+        rates = ",".join(f"{m:g}" for m in args.lr_multipliers)
+        heading = (
+            f"{steps} steps, d {width}, {layers} layers, batch {args.batch_size}, "
+            f"seeds {seeds.start}–{seeds.stop - 1}, rates x {rates} "
+            f"({time.time() - start:.0f} s)"
+        )
+        rows_by_budget[steps], budget = budget_sections(heading, outcome.results)
+        for section in budget:
+            print(section, flush=True)
+        sections.extend(budget)
         report.write_json(
             [r.to_dict() for r in outcome.results], str(out / f"results-{steps}.json")
         )
         if outcome.interrupted:
             break
+    return rows_by_budget
+
+
+def _merge_budgets(paths: list[str], sections: list) -> dict:
+    """:func:`recorded`'s runs reported as one run's would be; the summary rows
+    by budget."""
+    rows_by_budget = {}
+    for steps, results in sorted(recorded(paths).items()):
+        seeds = sorted({r.seed for r in results})
+        heading = f"{steps} steps, seeds {seeds}, merged from {len(paths)} files"
+        rows_by_budget[steps], budget = budget_sections(heading, results)
+        sections.extend(budget)
+    return rows_by_budget
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    from precond.bench.machine import available_cores, configure_threads, environment
+
+    threads = configure_threads(args.threads or available_cores(), ("jax",))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections: list[str] = []
+    if args.merge:
+        rows_by_budget = _merge_budgets(args.merge, sections)
+        print("\n".join(sections), flush=True)
+    else:
+        rows_by_budget = _run_budgets(args, threads, out, sections)
     if len(rows_by_budget) > 1:
         section = budget_to_target(rows_by_budget) + "\n"
         sections.append(section)

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -34,6 +35,8 @@ from precond.bench.report import (
     format_table,
     format_winners,
     json_document,
+    run_from_json,
+    write_json,
 )
 from precond.bench.runner import (
     RunConfig,
@@ -336,6 +339,53 @@ def test_loss_curve_reads_the_loss_asked_for():
     # The training curve reaches 2.0 between its evaluations at 10 and 20.
     curve = loss_curve(run, "step", "train_loss")
     assert reached_and_stayed(*curve, 2.0) == pytest.approx(15.0)
+
+
+def test_run_from_json_inverts_write_json(tmp_path):
+    run = _run("pro", 0.02, 1, [3.0, 2.0, math.inf], compile_s=None)
+    run.history[0]["train_loss"] = math.nan  # as the runner records step 0
+    run.minibatch_loss[:] = [2.5, math.nan]
+    run.step_ms[:] = [10.0, 11.0]
+    write_json([run.to_dict()], str(tmp_path / "runs.json"))
+    (entry,) = json.loads((tmp_path / "runs.json").read_text())
+    back = run_from_json(entry)
+    assert back.compile_s is None  # null here means no separate compilation
+    assert math.isnan(back.history[0]["train_loss"])
+    assert math.isnan(back.final_val_loss)  # ±Inf is not kept, only "not finite"
+    assert math.isnan(back.minibatch_loss[1])
+    write_json([back.to_dict()], str(tmp_path / "again.json"))
+    assert (tmp_path / "again.json").read_text() == (tmp_path / "runs.json").read_text()
+
+
+def _psgd_quality():
+    """benchmarks/psgd_quality.py as a module."""
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "psgd_quality.py"
+    spec = importlib.util.spec_from_file_location("psgd_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_psgd_quality_merge_reports_the_union_of_recorded_runs(tmp_path):
+    """``--merge``: runs recorded by separate invocations (seeds 0 and 1–2)
+    summarise as the runs of one would; a run recorded twice is refused."""
+    quality = _psgd_quality()
+    runs = [
+        _run(name, lr, seed, [3.0, 2.0, end + 0.1 * seed])
+        for name, lr, end in [("adamw", 1e-3, 1.5), ("pro", 2e-3, 1.0)]
+        for seed in range(3)
+    ]
+    first, rest = tmp_path / "seed0.json", tmp_path / "seeds12.json"
+    write_json([r.to_dict() for r in runs if r.seed == 0], str(first))
+    write_json([r.to_dict() for r in runs if r.seed > 0], str(rest))
+    merged = quality.recorded([str(first), str(rest)])
+    assert list(merged) == [20]  # by step budget
+    assert summarize(merged[20]) == summarize(runs)
+    _, sections = quality.budget_sections("h", merged[20])
+    _, direct = quality.budget_sections("h", runs)
+    assert sections == direct
+    with pytest.raises(SystemExit, match=r"is in .*seed0\.json and .*seed0\.json"):
+        quality.recorded([str(first), str(first)])
 
 
 def test_summary_selects_rates_and_compares_with_adamw():

@@ -390,3 +390,24 @@ def write_json(document: Any, path: str) -> None:
     with open(path, "w", encoding="utf-8") as file:
         json.dump(json_safe(document), file, indent=2, allow_nan=False, default=str)
         file.write("\n")
+
+
+def run_from_json(entry: dict[str, Any]) -> RunResult:
+    """The :class:`RunResult` whose ``to_dict()`` :func:`write_json` wrote as
+    ``entry``: the nulls it wrote for NaN/±Inf floats read back as NaN, except
+    ``compile_s``, where null means no separate compilation."""
+
+    def number(value: Any) -> Any:
+        return math.nan if value is None else value
+
+    fields = {
+        key: value if key == "compile_s" or value is not None else math.nan
+        for key, value in entry.items()
+    }
+    fields["history"] = [
+        {key: number(value) for key, value in point.items()}
+        for point in entry["history"]
+    ]
+    fields["minibatch_loss"] = [number(x) for x in entry["minibatch_loss"]]
+    fields["step_ms"] = [number(x) for x in entry["step_ms"]]
+    return RunResult(**fields)
