@@ -335,6 +335,23 @@ def budget_to_target(rows_by_budget: dict, baseline: str = "adamw") -> str:
     return "\n".join(lines)
 
 
+def _chosen_runs(results: list) -> dict[str, list]:
+    """Each optimizer's runs (one a seed) at its rate chosen by mean final
+    validation loss (:func:`precond.bench.analysis.select_learning_rates`)."""
+    from precond.bench import analysis
+
+    groups = analysis.group_runs(results)
+    chosen = analysis.select_learning_rates(results)
+    return {key[2]: groups[key][chosen[key]] for key in groups}
+
+
+def _reached(run, axis: str, loss: str, target: float) -> float | None:
+    """Where ``run``'s ``loss`` curve against ``axis`` reaches ``target`` and stays."""
+    from precond.bench import analysis
+
+    return analysis.reached_and_stayed(*analysis.loss_curve(run, axis, loss), target)
+
+
 def train_loss_to_target(results: list, baseline: str = "adamw") -> str:
     """Steps and training seconds to ``baseline``'s final *training* loss.
 
@@ -346,11 +363,7 @@ def train_loss_to_target(results: list, baseline: str = "adamw") -> str:
     and the step and time are where that curve reaches the target and stays
     (:func:`precond.bench.analysis.reached_and_stayed`), meaned over seeds when
     every seed reaches it."""
-    from precond.bench import analysis
-
-    groups = analysis.group_runs(results)
-    chosen = analysis.select_learning_rates(results)
-    runs = {key[2]: groups[key][chosen[key]] for key in groups}
+    runs = _chosen_runs(results)
     base = runs[baseline]
     target = statistics.fmean(r.final_train_loss for r in base)
     base_steps = statistics.fmean(r.steps for r in base)
@@ -365,12 +378,7 @@ def train_loss_to_target(results: list, baseline: str = "adamw") -> str:
 
     def reached(group, axis: str) -> float | None:
         """The mean over ``group``'s seeds, or None unless every seed reaches."""
-        points = [
-            analysis.reached_and_stayed(
-                *analysis.loss_curve(r, axis, "train_loss"), target
-            )
-            for r in group
-        ]
+        points = [_reached(r, axis, "train_loss", target) for r in group]
         found = [x for x in points if x is not None]
         return statistics.fmean(found) if len(found) == len(points) else None
 
@@ -385,10 +393,43 @@ def train_loss_to_target(results: list, baseline: str = "adamw") -> str:
     return "\n".join(lines)
 
 
+def per_seed_to_targets(results: list, baseline: str = "adamw") -> str:
+    """Each seed's steps and training seconds to ``baseline``'s mean final
+    validation and training losses, every optimizer at its chosen rate.
+
+    The tables above mean over seeds; this one shows whether a mean hides a
+    seed far from the others, and which optimizer is ahead seed by seed."""
+    runs = _chosen_runs(results)
+    targets = {
+        loss: statistics.fmean(getattr(r, f"final_{loss}") for r in runs[baseline])
+        for loss in ("val_loss", "train_loss")
+    }
+    lines = [
+        f"Per seed, steps and training seconds to {baseline}'s mean final "
+        f"validation loss ({targets['val_loss']:.4f}) and training loss "
+        f"({targets['train_loss']:.4f}), reached and stayed",
+        "",
+        "| optimizer | seed | to the validation loss | to the training loss |",
+        "|---|---|---|---|",
+    ]
+    for name, group in runs.items():
+        for run in sorted(group, key=lambda r: r.seed):
+            cells = []
+            for loss, target in targets.items():
+                steps = _reached(run, "step", loss, target)
+                seconds = _reached(run, "time_s", loss, target)
+                reached = steps is not None and seconds is not None
+                cells.append(
+                    f"{steps:.0f}, {seconds:.1f} s" if reached else "not reached"
+                )
+            lines.append(f"| {name} | {run.seed} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def budget_sections(heading: str, results: list) -> tuple[list, list[str]]:
     """One budget's summary rows, and its report sections under ``heading``: the
     table at each optimizer's best rate with the fastest to AdamW's loss, then
-    :func:`train_loss_to_target`'s table."""
+    :func:`train_loss_to_target`'s and :func:`per_seed_to_targets`' tables."""
     from precond.bench import analysis, report
 
     rows = analysis.summarize(results)
@@ -397,6 +438,7 @@ def budget_sections(heading: str, results: list) -> tuple[list, list[str]]:
     sections = [
         f"## {heading}\n\n```\n{table}\n{fastest}\n```\n",
         train_loss_to_target(results) + "\n",
+        per_seed_to_targets(results) + "\n",
     ]
     return rows, sections
 

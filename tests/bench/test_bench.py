@@ -388,6 +388,27 @@ def test_psgd_quality_merge_reports_the_union_of_recorded_runs(tmp_path):
         quality.recorded([str(first), str(first)])
 
 
+def test_psgd_quality_per_seed_table_shows_every_seed_against_the_mean_target():
+    """AdamW ends at 1.5 and 1.6 (mean 1.55): its second seed never reaches the
+    mean; each other seed is where its own curve crosses 1.55 and stays."""
+    quality = _psgd_quality()
+    runs = [
+        _run("adamw", 1e-3, 0, [3.0, 2.0, 1.5]),
+        _run("adamw", 1e-3, 1, [3.0, 2.0, 1.6]),
+        _run("pro", 2e-3, 0, [3.0, 1.0, 1.0]),
+        _run("pro", 2e-3, 1, [3.0, 2.0, 1.2]),
+        _run("pro", 4e-3, 0, [3.0, 2.0, 9.0]),  # the worse rate: not shown
+        _run("pro", 4e-3, 1, [3.0, 2.0, 9.0]),
+    ]
+    rows = quality.per_seed_to_targets(runs).splitlines()[4:]
+    assert rows == [
+        "| adamw | 0 | 19, 0.2 s | 19, 0.2 s |",  # 2.0 → 1.5 crosses 1.55 at 19
+        "| adamw | 1 | not reached | not reached |",
+        "| pro | 0 | 7, 0.1 s | 7, 0.1 s |",  # 3.0 → 1.0: at 7.25
+        "| pro | 1 | 16, 0.2 s | 16, 0.2 s |",  # 2.0 → 1.2: at 15.6
+    ]
+
+
 def test_summary_selects_rates_and_compares_with_adamw():
     runs = [
         # AdamW: lr 1e-3 ends at 1.0 (mean of seeds 0.9 and 1.1), lr 3e-3 at 2.0.
