@@ -17,9 +17,10 @@ table gives at that rate: the validation loss (mean ± std over seeds), the step
 and the training seconds until the validation curve reaches AdamW's final
 validation loss and stays (ratios to AdamW's whole run), and the median step
 time; a second table counts steps and seconds to AdamW's final *training* loss,
-as issue [4 of 6]'s "What was seen" table did (:func:`train_loss_to_target`).
-With several budgets, a last table gives each optimizer's smallest budget whose
-whole runs end at or below AdamW's final loss at the largest budget
+as issue [4 of 6]'s "What was seen" table did (:func:`train_loss_to_target`),
+and a third both seed by seed (:func:`per_seed_to_targets`). With several
+budgets, a last table gives each optimizer's smallest budget whose whole runs
+end at or below AdamW's final loss at the largest budget
 (:func:`budget_to_target`). ``--merge FILE…`` runs nothing and reports on the
 union of earlier runs' ``results-STEPS.json`` (:func:`recorded`): seeds run by
 separate invocations of one protocol, e.g. ``--seeds 1`` then ``--seeds 2
