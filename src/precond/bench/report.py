@@ -400,7 +400,7 @@ def run_from_json(entry: dict[str, Any]) -> RunResult:
     def number(value: Any) -> Any:
         return math.nan if value is None else value
 
-    fields = {
+    fields: dict[str, Any] = {
         key: value if key == "compile_s" or value is not None else math.nan
         for key, value in entry.items()
     }
