@@ -230,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
                 flush=True,
             )
     if world_size > 1:
+        # Every rank done with its collectives before any tears the group down:
+        # without it, a rank's gloo threads were at times still live at teardown
+        # and the process aborted ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
     return history
 
