@@ -401,7 +401,7 @@ def run_from_json(entry: dict[str, Any]) -> RunResult:
         return math.nan if value is None else value
 
     fields: dict[str, Any] = {
-        key: value if key == "compile_s" or value is not None else math.nan
+        key: value if key == "compile_s" else number(value)
         for key, value in entry.items()
     }
     fields["history"] = [
