@@ -43,7 +43,9 @@ Optimizers (``--optimizers``):
   arguments of ``pro`` too, each value a Python literal;
 - ``dk2-pro``: distributed-kron 2.0.0's ``pro`` (the test oracle, loaded from
   ``.oracles/`` as tests/oracles.py does; see the README's test command), at
-  ``pro``'s rate, given the params as a flat dict (it fails on the model's lists).
+  ``pro``'s rate, given the params as a flat dict (it fails on the model's lists);
+  ``dk2-pro:KEY=VALUE...`` (e.g. ``dk2-pro:b1=0.8``) with those keyword
+  arguments, the control for a ``pro:KEY=VALUE`` variant.
 
 Timings are only comparable within one run on a quiet machine: the script runs
 everything one after another, with the bench's threads (``--threads``), in rounds
@@ -203,19 +205,32 @@ def _specs(names):
             OPTIMIZERS["pro"], name=name, description=description, make=make
         )
 
-    def distributed_kron_pro():
+    def keyword_arguments(name, items):
+        """``KEY=VALUE`` items (Python literals) as keyword arguments."""
+        pairs = [item.partition("=") for item in items]
+        if not all(key and sep for key, sep, _ in pairs):
+            raise SystemExit(f"{name!r} is not of the form BASE[:KEY=VALUE...]")
+        return {key: ast.literal_eval(value) for key, _, value in pairs}
+
+    def distributed_kron_pro(name):
+        """``dk2-pro``: distributed-kron 2.0.0's pro at its defaults;
+        ``dk2-pro:KEY=VALUE...``: with these keyword arguments."""
         sys.path.insert(0, str(REPO))
         from tests import oracles
 
         module = oracles.distributed_kron_pro()
+        _, *items = name.split(":")
+        kwargs = keyword_arguments(name, items)
 
         def make(learning_rate, weight_decay):
-            return _dict_keyed(module.pro(learning_rate, weight_decay=weight_decay))
+            return _dict_keyed(
+                module.pro(learning_rate, weight_decay=weight_decay, **kwargs)
+            )
 
         return dataclasses.replace(
             OPTIMIZERS["pro"],
-            name="dk2-pro",
-            description="distributed-kron 2.0.0's pro, its defaults",
+            name=name,
+            description=f"distributed-kron 2.0.0's pro, {name}",
             make=make,
             make_torch=None,
         )
@@ -240,16 +255,12 @@ def _specs(names):
         """A base name (above), then ``:KEY=VALUE`` keyword arguments of pro
         (Python literals, e.g. ``pro-s100-0.01-0.05:block_size=128``)."""
         base, *items = name.split(":")
-        pairs = [item.partition("=") for item in items]
-        if not all(key and sep for key, sep, _ in pairs):
-            raise SystemExit(f"{name!r} is not of the form BASE[:KEY=VALUE...]")
-        kwargs = schedule_arguments(base)
-        kwargs |= {key: ast.literal_eval(value) for key, _, value in pairs}
+        kwargs = schedule_arguments(base) | keyword_arguments(name, items)
         return variant(name, f"precond.jax.pro, {name}", **kwargs)
 
     def spec(name):
-        if name == "dk2-pro":
-            return distributed_kron_pro()
+        if name == "dk2-pro" or name.startswith("dk2-pro:"):
+            return distributed_kron_pro(name)
         if name.startswith(("pro-p", "pro-s", "pro-compact", "pro:")):
             return pro_variant(name)
         return OPTIMIZERS[name]

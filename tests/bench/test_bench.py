@@ -388,6 +388,38 @@ def test_psgd_quality_merge_reports_the_union_of_recorded_runs(tmp_path):
         quality.recorded([str(first), str(first)])
 
 
+def test_psgd_quality_dk2_variant_is_the_control_of_its_pro_variant():
+    """``dk2-pro:b1=0.8`` hands b1 to distributed-kron 2.0's pro: its steps equal
+    ``pro:b1=0.8``'s to float32 rounding (the same draws), and differ from
+    ``dk2-pro``'s at its default b1 = 0.95 (the argument reaches it)."""
+    import jax
+    import jax.numpy as jnp
+
+    quality = _psgd_quality()
+    names = ["pro:b1=0.8", "dk2-pro:b1=0.8", "dk2-pro"]
+    specs = quality._specs(names)
+    assert [s.name for s in specs] == names
+    key = jax.random.key(0)
+    params = [{"w": jax.random.normal(key, (6, 5)), "b": jnp.zeros(5)}]  # a list node
+    grads = [
+        jax.tree.map(lambda x, i=i: jnp.sin(x + i) + 0.1, params) for i in range(3)
+    ]
+
+    def params_after(spec):
+        optimizer = spec.make(3e-3, 1e-4)
+        state, p = optimizer.init(params), params
+        for g in grads:
+            updates, state = optimizer.update(g, state, p)
+            p = jax.tree.map(jnp.add, p, updates)
+        return np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)])
+
+    ours, control, default = (params_after(s) for s in specs)
+    np.testing.assert_allclose(control, ours, rtol=1e-5, atol=1e-7)
+    assert np.max(np.abs(default - ours)) > 1e-4
+    with pytest.raises(SystemExit, match="is not of the form"):
+        quality._specs(["dk2-pro:b1"])
+
+
 def test_psgd_quality_per_seed_table_shows_every_seed_against_the_mean_target():
     """AdamW ends at 1.5 and 1.6 (mean 1.55): its second seed never reaches the
     mean; each other seed is where its own curve crosses 1.55 and stays."""
