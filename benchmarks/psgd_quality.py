@@ -205,12 +205,14 @@ def _specs(names):
             OPTIMIZERS["pro"], name=name, description=description, make=make
         )
 
-    def keyword_arguments(name, items):
-        """``KEY=VALUE`` items (Python literals) as keyword arguments."""
+    def split_name(name):
+        """``BASE[:KEY=VALUE...]`` as (BASE, the items as keyword arguments,
+        each value a Python literal)."""
+        base, *items = name.split(":")
         pairs = [item.partition("=") for item in items]
         if not all(key and sep for key, sep, _ in pairs):
             raise SystemExit(f"{name!r} is not of the form BASE[:KEY=VALUE...]")
-        return {key: ast.literal_eval(value) for key, _, value in pairs}
+        return base, {key: ast.literal_eval(value) for key, _, value in pairs}
 
     def distributed_kron_pro(name):
         """``dk2-pro``: distributed-kron 2.0.0's pro at its defaults;
@@ -219,8 +221,7 @@ def _specs(names):
         from tests import oracles
 
         module = oracles.distributed_kron_pro()
-        _, *items = name.split(":")
-        kwargs = keyword_arguments(name, items)
+        _, kwargs = split_name(name)
 
         def make(learning_rate, weight_decay):
             return _dict_keyed(
@@ -254,8 +255,8 @@ def _specs(names):
     def pro_variant(name):
         """A base name (above), then ``:KEY=VALUE`` keyword arguments of pro
         (Python literals, e.g. ``pro-s100-0.01-0.05:block_size=128``)."""
-        base, *items = name.split(":")
-        kwargs = schedule_arguments(base) | keyword_arguments(name, items)
+        base, kwargs = split_name(name)
+        kwargs = schedule_arguments(base) | kwargs
         return variant(name, f"precond.jax.pro, {name}", **kwargs)
 
     def spec(name):
