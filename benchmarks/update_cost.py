@@ -13,9 +13,11 @@ the issue suggests), with the bench's own optimizers at their char-lm rates:
 
 - ``adamw`` and ``muon`` (``precond.bench``'s, Muon on the hidden matrices,
   AdamW on the rest);
-- ``pro fit``: ``precond.jax.pro`` fitting its factors (every step), and
-  ``pro no fit``: the same between fits (update probability 1e-9 after its
-  first, always fitting, step).
+- ``pro fit``: ``precond.jax.pro`` fitting its factors (every step) with its
+  default rule 'PRO' (three d³ products per dense factor), and ``pro fit QUAD``
+  and ``pro fit QEQ`` with the other rules (two and one);
+- ``pro no fit``: pro between fits (update probability 1e-9 after its first,
+  always fitting, step).
 
 Each update is ``jax.jit``-compiled, fed fixed random gradients and its own
 state; the optimizers run in interleaved rounds of ``--steps`` updates and the
@@ -51,9 +53,9 @@ NEVER = 1e-9
 
 
 def optimizers() -> dict:
-    """The bench's AdamW and Muon and pro (fitting, not fitting) at their
-    char-lm rates, weight decay 1e-4 (Muon's hidden-matrix rule reads the
-    params' keys, so it holds at every width)."""
+    """The bench's AdamW and Muon and pro (fitting by each rule, not fitting)
+    at their char-lm rates, weight decay 1e-4 (Muon's hidden-matrix rule reads
+    the params' keys, so it holds at every width)."""
     workload = get_workload("char-lm")
 
     def bench(name):
@@ -66,6 +68,12 @@ def optimizers() -> dict:
         "adamw": bench("adamw"),
         "muon": bench("muon"),
         "pro fit": pj.pro(rate, weight_decay=1e-4),
+        **{
+            f"pro fit {style}": pj.pro(
+                rate, weight_decay=1e-4, preconditioner_update_style=style
+            )
+            for style in ("QUAD", "QEQ")
+        },
         "pro no fit": pj.pro(
             rate, weight_decay=1e-4, preconditioner_update_probability=NEVER
         ),

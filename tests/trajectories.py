@@ -164,6 +164,7 @@ JAX_CASES = [
     jax_case("kron_eq", kron()),
     jax_case("kron_quad", kron(preconditioner_update_style="QUAD")),
     jax_case("kron_pro", kron(preconditioner_update_style="PRO")),
+    jax_case("kron_qeq", kron(preconditioner_update_style="QEQ")),
     jax_case("kron_cache_dense", kron(preconditioner_cache="dense")),
     jax_case("kron_cache_none", kron(preconditioner_cache=None)),
     jax_case("kron_no_merge", kron(merge_small_dims=False)),
@@ -209,6 +210,7 @@ JAX_CASES = [
     jax_case("pro_default", pro()),
     jax_case("pro_compact", pro(draws="compact")),
     jax_case("pro_quad", pro(preconditioner_update_style="QUAD")),
+    jax_case("pro_qeq", pro(preconditioner_update_style="QEQ")),
     jax_case("pro_blocks", pro(block_size=4)),
     jax_case("pro_prob_03", pro(preconditioner_update_probability=0.3)),
     jax_case("pro_scanned", pro(scanned_layers=SCANNED_FLAGS), SCANNED),
@@ -364,6 +366,7 @@ TORCH_CASES = [
     torch_case("torch_kron_eq", torch_kron()),
     torch_case("torch_kron_quad", torch_kron(preconditioner_update_style="QUAD")),
     torch_case("torch_kron_pro", torch_kron(preconditioner_update_style="PRO")),
+    torch_case("torch_kron_qeq", torch_kron(preconditioner_update_style="QEQ")),
     torch_case("torch_kron_prob_03", torch_kron(preconditioner_update_probability=0.3)),
     torch_case(
         "torch_kron_options",
@@ -379,6 +382,7 @@ TORCH_CASES = [
     torch_case("torch_pro", torch_pro()),
     torch_case("torch_pro_prob_03", torch_pro(preconditioner_update_probability=0.3)),
     torch_case("torch_pro_blocks", torch_pro(block_size=4, max_size_dense=8)),
+    torch_case("torch_pro_qeq", torch_pro(preconditioner_update_style="QEQ")),
     kfac_case("torch_kfac_eigen"),
     kfac_case(
         "torch_kfac_inverse",

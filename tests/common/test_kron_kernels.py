@@ -272,9 +272,9 @@ def noise_and_padding_rows(shape, mask, seed):
 
 
 def gen2_rows(shape, mask, seed, G):
-    """'QUAD' and 'PRO' fits, with and without sampled bounds."""
+    """'QUAD', 'PRO' and 'QEQ' fits, with and without sampled bounds."""
     rows = []
-    for style in ("QUAD", "PRO"):
+    for style in ("QUAD", "PRO", "QEQ"):
         rng = np.random.default_rng(seed + 1)
         Qs = stacked_factors(rng, shape, mask, dense=True)
         if np.iscomplexobj(G):

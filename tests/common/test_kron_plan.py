@@ -201,11 +201,12 @@ def test_stacks_group_equal_units_pad_to_the_shards_and_skip_empty_parameters():
     assert by_members[(4,)].complex  # complex units stack alone
 
 
-def test_a_pro_style_stores_its_packed_cache_dense():
-    assert stored_cache("packed", "PRO") == "dense"
+def test_a_full_factor_style_stores_its_packed_cache_dense():
+    assert stored_cache("packed", "PRO") == stored_cache("packed", "QEQ") == "dense"
     for style in UPDATE_STYLES:
         for cache in PRECONDITIONER_CACHES:
-            expected = "dense" if (style, cache) == ("PRO", "packed") else cache
+            full = style in ("PRO", "QEQ")
+            expected = "dense" if full and cache == "packed" else cache
             assert stored_cache(cache, style) == expected
 
 

@@ -57,7 +57,12 @@ def test_every_shared_argument_accepts_its_default_and_its_edges():
         ("max_size_dense", -1, ValueError, ">= 0"),
         ("preconditioner_lr", -0.1, ValueError, ">= 0.0"),
         ("preconditioner_init_scale", 0.0, ValueError, "> 0.0"),
-        ("preconditioner_update_style", "EQ", ValueError, "one of 'PRO', 'QUAD'"),
+        (
+            "preconditioner_update_style",
+            "EQ",
+            ValueError,
+            "one of 'PRO', 'QUAD', 'QEQ'",
+        ),
         ("block_size", 0, ValueError, ">= 1"),
         ("noise_scale", float("nan"), ValueError, "finite and >= 0.0"),
         ("preconditioner_update_probability", 0.0, ValueError, "in (0.0, 1.0]"),

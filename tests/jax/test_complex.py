@@ -304,17 +304,18 @@ def test_one_step_matches_complex_float64_reference(case):
         assert any(jnp.iscomplexobj(x) for x in leaves)
 
 
-@pytest.mark.parametrize("style", ["EQ", "QUAD", "PRO"])
+@pytest.mark.parametrize("style", ["EQ", "QUAD", "PRO", "QEQ"])
 def test_kron_caches_agree_and_factors_keep_their_structure(style):
     """Every Kron cache gives the same complex updates over three steps; the
     cached P_i = Q_iᴴQ_i is exactly Hermitian; 'EQ' factors stay upper triangular
-    with a real positive diagonal, 'QUAD' factors Hermitian. ('PRO' stores its
-    'packed' cache 'dense'.)"""
+    with a real positive diagonal, 'QUAD' factors Hermitian. ('PRO' and 'QEQ'
+    store their 'packed' cache 'dense'.)"""
     with float64():
         grads, _ = _problem("kron", False)
         params = {k: jnp.zeros(g.shape, g.dtype) for k, g in grads.items()}
         outputs = []
-        caches = ("dense", None) if style == "PRO" else ("packed", "dense", None)
+        full = style in ("PRO", "QEQ")
+        caches = ("dense", None) if full else ("packed", "dense", None)
         for cache in caches:
             optimizer = _scale_by("kron", style, 3, cache)
             state = optimizer.init(params)

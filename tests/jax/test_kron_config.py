@@ -46,6 +46,7 @@ def test_the_config_is_frozen_and_normalises_dtypes_once():
         ("QUAD", "packed", "packed", True),
         ("PRO", "packed", "dense", True),
         ("PRO", None, None, True),
+        ("QEQ", "packed", "dense", True),
     ],
 )
 def test_derived_settings(style, cache, stored, generation_2):

@@ -1,4 +1,4 @@
-"""Kron's generation-2 update styles ('QUAD', 'PRO') and bfloat16 factors.
+"""Kron's generation-2 update styles ('QUAD', 'PRO', 'QEQ') and bfloat16 factors.
 
 Kernels against the float64 dense-matrix reference, the Procrustes rotation's
 properties, the fitting property (Newton: P → H⁻¹; whitening: P → C^{-1/2}),
@@ -29,7 +29,7 @@ from tests.jax.test_kron_math import (
 )
 from tests.reference import kron_reference as ref
 
-STYLES = ["QUAD", "PRO"]
+STYLES = ["QUAD", "PRO", "QEQ"]
 SHAPES = [(7,), (5, 4), (3, 4, 5)]
 CASES = [
     pytest.param(shape, mask, id=f"{shape}-" + "".join("dt"[not m] for m in mask))
@@ -39,7 +39,7 @@ CASES = [
 
 
 def random_factors(rng, shape, diagonal_mask, style):
-    """Factors near s·I: dense for PRO (a general Q), symmetric for QUAD."""
+    """Factors near s·I: symmetric for QUAD, a general Q for PRO and QEQ."""
     factors = []
     for d, diagonal in zip(shape, diagonal_mask, strict=True):
         if diagonal:

@@ -259,7 +259,7 @@ EXTREME_SETTINGS = {
             b1=[0.0, 0.999999],
             preconditioner_lr=[1e-30, 10.0, 1e6],
             preconditioner_init_scale=[1e-30, 1e30],
-            preconditioner_update_style=["QUAD", "PRO"],
+            preconditioner_update_style=["QUAD", "PRO", "QEQ"],
             max_size_triangular=[0],
             block_size=[1],
         ),

@@ -213,8 +213,9 @@ def update_factors_gen2(
     Pg with vec(Pg) = P·vec(G); per axis T1 = Pg_(i)Pg_(i)ᵀ, E = T1 − T2 with the
     target T2 (a matrix, or the diagonal as a vector for a diagonal factor);
     ℓ = lb(T1) + lb(T2) (diagonal: max T1 + max T2), L ← max(β·L + (1−β)ℓ, ℓ),
-    μ = η/L. PRO: Q ← Procrustes(Q − μEQ), q ← q(1 − μE). QUAD: Q' = Q − (μ/2)EQ,
-    Q'' = Q' − (μ/2)Q'E, Q ← (Q'' + Q''ᵀ)/2, q ← q(1 − (μ/2)E)².
+    μ = η/L. PRO: Q ← Procrustes(Q − μEQ), q ← q(1 − μE). QEQ: Q ← Q − μQE,
+    q ← q(1 − μE). QUAD: Q' = Q − (μ/2)EQ, Q'' = Q' − (μ/2)Q'E,
+    Q ← (Q'' + Q''ᵀ)/2, q ← q(1 − (μ/2)E)².
     Complex input uses ᴴ for ᵀ (P = ⊗ Q_iᴴQ_i, T1 = Pg_(i)Pg_(i)ᴴ, unitary
     Procrustes rotation, Hermitian QUAD factors; real diagonals for diagonal
     factors). ``draws``: start vectors W of :func:`sampled_norm_lower_bound`,
@@ -240,10 +241,12 @@ def update_factors_gen2(
         mu = lr / (L + TINY)
         E = T1 - T2
         if Q.ndim == 1:
-            Q = Q * (1 - mu * E) if style == "PRO" else Q * (1 - 0.5 * mu * E) ** 2
+            Q = Q * (1 - 0.5 * mu * E) ** 2 if style == "QUAD" else Q * (1 - mu * E)
         elif style == "PRO":
             W = None if draws is None else next(draws)
             Q = procrustes_step(Q - mu * E @ Q, W)
+        elif style == "QEQ":
+            Q = Q - mu * Q @ E
         else:
             Q = Q - 0.5 * mu * E @ Q
             Q = Q - 0.5 * mu * Q @ E

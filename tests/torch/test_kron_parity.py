@@ -87,6 +87,7 @@ CONFIGS = {
     # The generation-2 rules (Lipschitz-normalised, solve-free), one balancing.
     "quad_balances_at_step_2": (dict(preconditioner_update_style="QUAD"), 2),
     "pro": (dict(preconditioner_update_style="PRO"), None),
+    "qeq": (dict(preconditioner_update_style="QEQ"), None),
 }
 STEPS = 3
 
@@ -426,10 +427,10 @@ def test_complex_least_squares_converges(style, cache):
     assert all(torch.isfinite(torch.view_as_real(Q)).all() for Q in state["Q"])
 
 
-@pytest.mark.parametrize("style", ["QUAD", "PRO"])
+@pytest.mark.parametrize("style", ["QUAD", "PRO", "QEQ"])
 @pytest.mark.parametrize(("shape", "mask"), CASES)
 def test_complex_generation_2_step_equals_the_hermitian_reference(shape, mask, style):
-    """One 'QUAD'/'PRO' factor step on stacks of 3 complex128 problems equals
+    """One 'QUAD'/'PRO'/'QEQ' factor step on stacks of 3 complex128 problems equals
     the complex reference (T1 = Pg_(i)Pg_(i)ᴴ, unitary Procrustes rotation,
     Hermitian QUAD factors), Lipschitz estimates included."""
     problems = random_complex_problems(np.random.default_rng(16), shape, mask, 3)

@@ -63,7 +63,7 @@ KERNEL_CASES = [
 UNITS = 2  # stack entries of the torch call, each compared to its own JAX call
 
 
-@pytest.mark.parametrize("style", ["PRO", "QUAD"])
+@pytest.mark.parametrize("style", ["PRO", "QUAD", "QEQ"])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
 def test_gen2_fit_equals_jax_with_the_same_draws(case, style):
     _, kinds, shape = case
@@ -432,7 +432,7 @@ BAD_ARGUMENTS = [
     ("max_size_dense", -1, ValueError, ">= 0"),
     ("preconditioner_lr", float("nan"), ValueError, "finite"),
     ("preconditioner_init_scale", 0.0, ValueError, "> 0.0"),
-    ("preconditioner_update_style", "EQ", ValueError, "one of 'PRO', 'QUAD'"),
+    ("preconditioner_update_style", "EQ", ValueError, "one of 'PRO', 'QUAD', 'QEQ'"),
     ("dtype", torch.float64, ValueError, "torch.float32 or torch.bfloat16"),
     ("block_size", 0, ValueError, ">= 1"),
     ("block_size", 2.0, TypeError, "a Python int"),

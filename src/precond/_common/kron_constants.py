@@ -15,10 +15,12 @@ MAX_UPDATE_RMS = 1.1
 BALANCE_PROBABILITY = 0.01
 
 # The factor-update rules (``preconditioner_update_style``): generation 1 ('EQ',
-# triangular Q with triangular solves) and generation 2 ('QUAD', 'PRO').
-UPDATE_STYLES = ("EQ", "QUAD", "PRO")
+# triangular Q with triangular solves) and generation 2 ('QUAD', 'PRO', 'QEQ').
+UPDATE_STYLES = ("EQ", "QUAD", "PRO", "QEQ")
 # The style whose factors are fitted by the generation-1 rule.
 GENERATION_1_STYLE = "EQ"
+# The styles whose Q is neither triangular nor symmetric (a full matrix).
+FULL_FACTOR_STYLES = ("PRO", "QEQ")
 # How a triangular factor keeps P = QᵀQ (``preconditioner_cache``): packed into
 # Q's unused lower triangle plus one row (d + 1, d), Q and P stacked (2, d, d),
 # or Q alone (d, d).
@@ -34,9 +36,9 @@ BLOCK_PADDINGS = ("inert", "distributed_kron")
 def stored_cache(preconditioner_cache: str | None, update_style: str) -> str | None:
     """The cache layout a triangular factor is actually stored in.
 
-    Packing needs Q triangular ('EQ') or symmetric ('QUAD'); 'PRO' keeps a full
-    Q, so its 'packed' cache is stored 'dense'.
+    Packing needs Q triangular ('EQ') or symmetric ('QUAD'); 'PRO' and 'QEQ'
+    keep a full Q, so their 'packed' cache is stored 'dense'.
     """
-    if update_style == "PRO" and preconditioner_cache == "packed":
+    if update_style in FULL_FACTOR_STYLES and preconditioner_cache == "packed":
         return "dense"
     return preconditioner_cache

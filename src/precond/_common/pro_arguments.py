@@ -14,8 +14,9 @@ from precond._common.validation import check_bool, check_choice, check_int, chec
 
 # ``lr_style``: 'adam' divides the update by ADAM_STYLE_DIVISOR (AdamW's scale).
 LR_STYLES = ("adam", None)
-# ``preconditioner_update_style``: pro's generation-2 factor-update rules.
-PRO_UPDATE_STYLES = ("PRO", "QUAD")
+# ``preconditioner_update_style``: pro's generation-2 factor-update rules
+# (distributed-kron 2.0's 'PRO' and 'QUAD', and precond's 'QEQ').
+PRO_UPDATE_STYLES = ("PRO", "QUAD", "QEQ")
 
 PRO_SHARED_ARGUMENT_CHECKS = {
     "lr_style": functools.partial(check_choice, choices=LR_STYLES),

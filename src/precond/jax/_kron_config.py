@@ -76,7 +76,7 @@ class KronConfig:
 
     @property
     def generation_2(self) -> bool:
-        """A generation-2 style ('QUAD', 'PRO'): Lipschitz estimates in the state."""
+        """A generation-2 style (not 'EQ'): Lipschitz estimates in the state."""
         return self.preconditioner_update_style != GENERATION_1_STYLE
 
     @property

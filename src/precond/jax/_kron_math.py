@@ -416,8 +416,8 @@ def update_factors_gen2(
     rngs: Sequence[jax.Array | None] | None = None,
     draw: Callable | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """One generation-2 PSGD step ('QUAD' or 'PRO'), fitting P = ⊗ Q_iᵀQ_i with
-    no triangular solves.
+    """One generation-2 PSGD step ('QUAD', 'PRO' or 'QEQ'), fitting P = ⊗ Q_iᵀQ_i
+    with no triangular solves.
 
     With Pg = P·G (current factors) and, per axis i, T1 = Pg_(i)Pg_(i)ᵀ and the
     target T2 (E[V_(i)V_(i)ᵀ] in whitening, see :func:`whitening_targets`; the
@@ -427,6 +427,10 @@ def update_factors_gen2(
     L_i ← max(β_L·L_i + (1 − β_L)·ℓ, ℓ), μ = η/L_i:
 
         PRO:  Q ← Q − μ(T1 − T2)Q, then :func:`procrustes_step`;
+              q ← q⊙(1 − μ(T1 − T2)) for a diagonal factor.
+        QEQ:  Q ← Q − μQ(T1 − T2), so that P_i = Q_iᴴQ_i ← (I − μE)P_i(I − μE)
+              with E = T1 − T2 whatever Q is: no rotation is needed to keep
+              the step symmetric in P (one d³ product where PRO takes three);
               q ← q⊙(1 − μ(T1 − T2)) for a diagonal factor.
         QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
               Q ← (Q'' + Q''ᵀ)/2 (Q stays symmetric; Hermitian if complex);
@@ -460,10 +464,12 @@ def update_factors_gen2(
         mu = preconditioner_lr / (L + TINY)
         E = T1 - T2
         if diagonal:
-            gain = 1 - (mu if style == "PRO" else 0.5 * mu) * E
-            Q = Q * (gain if style == "PRO" else gain * gain)
+            gain = 1 - (0.5 * mu if style == "QUAD" else mu) * E
+            Q = Q * (gain * gain if style == "QUAD" else gain)
         elif style == "PRO":
             Q = procrustes_step(Q - mu * (E @ Q), rotation_rng, draw)
+        elif style == "QEQ":
+            Q = Q - mu * (Q @ E)
         else:
             Q = Q - (0.5 * mu) * (E @ Q)
             Q = Q - (0.5 * mu) * (Q @ E)

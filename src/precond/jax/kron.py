@@ -77,14 +77,16 @@ Arguments (of ``scale_by_kron``; ``kron`` adds ``learning_rate``,
     preconditioner_update_style: the factor-update rule. ``'EQ'``
         (default, as distributed-kron): the generation-1 step of
         :func:`precond.jax._kron_math.update_factors`, triangular Q with
-        triangular solves. ``'QUAD'`` and ``'PRO'``: generation-2 steps
+        triangular solves. ``'QUAD'``, ``'PRO'`` and ``'QEQ'``: generation-2 steps
         (:func:`precond.jax._kron_math.update_factors_gen2`) that fit P·G̃
         to unit covariance with matmuls only, the step normalised by a
         smoothed Lipschitz estimate kept in ``KronState.lipschitz``, and the
         elementwise damping G̃ = G + (1e-9 + ε·|G|)⊙V; 'QUAD' keeps Q
         symmetric, 'PRO' keeps a full Q and rotates it toward symmetric with
-        a Procrustes step (its 'packed' cache is stored 'dense'). Balancing
-        and the update schedule are the same for every style.
+        a Procrustes step, 'QEQ' keeps a full Q and steps it on its right
+        (one d³ product per fit where 'PRO' takes three; 'PRO''s and
+        'QEQ''s 'packed' cache is stored 'dense'). Balancing and the update
+        schedule are the same for every style.
     seed: seed of the noise and balancing decisions, which are drawn from
         ``fold_in(PRNGKey(seed), n)``: a restored run repeats them exactly,
         and on any mesh (see :func:`unit_noise`).

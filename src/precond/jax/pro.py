@@ -12,7 +12,7 @@ preconditioned by P = Q_lᵀQ_l ⊗ Q_rᵀQ_r, a Kronecker product of two factor
 
 Each step fits every block's factors to the noisy momentum G̃ = m̂ + (δ + ε|m̂|)⊙V
 (δ = ``noise_scale``, V ~ N(0, I)) with the generation-2 rule
-(:func:`precond.jax._kron_math.update_factors_gen2`: 'PRO' or 'QUAD', step size
+(:func:`precond.jax._kron_math.update_factors_gen2`: 'PRO', 'QUAD' or 'QEQ', step size
 ``preconditioner_lr`` over a smoothed Lipschitz estimate, no triangular solves),
 rebalances the two factors' norms every 100 steps, and returns
 U = clip(P·m̂) with each tensor's RMS clipped to 1.1, divided by 5 when
@@ -583,8 +583,10 @@ def scale_by_pro(
         max_size_dense: sides longer than this get a diagonal factor.
         preconditioner_lr: the fit's step size η (over the Lipschitz estimate).
         preconditioner_init_scale: every factor starts as this times identity.
-        preconditioner_update_style: 'PRO' (Procrustes-rotated Q) or 'QUAD'
-            (symmetric Q).
+        preconditioner_update_style: 'PRO' (Procrustes-rotated Q), 'QUAD'
+            (symmetric Q) or 'QEQ' (Q ← Q − μQE: one d³ product per dense
+            factor where 'PRO' takes three; an addition of precond's, see
+            BENCHMARKS.md).
         dtype: float32 or bfloat16, of the momentum and factors (and the fit).
         scanned_layers: None, a pytree of bools like the params, or a callable of
             the params returning one: True marks a parameter stacked along a

@@ -393,12 +393,13 @@ def update_factors_gen2(
     rngs: Sequence[torch.Generator | None] | None = None,
     draw: Callable | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One generation-2 PSGD step ('QUAD' or 'PRO') on each stack entry, as
+    """One generation-2 PSGD step ('QUAD', 'PRO' or 'QEQ') on each stack entry, as
     :func:`precond.jax._kron_math.update_factors_gen2`: with Pg = P·G,
     T1 = Pg_(i)Pg_(i)ᴴ and the target T2, L_i ← max(β_L·L_i + (1 − β_L)·ℓ, ℓ),
     ℓ = lb(T1) + lb(T2), μ = η/L_i;
 
         PRO:  Q ← procrustes_step(Q − μ(T1 − T2)Q);  q ← q⊙(1 − μ(T1 − T2))
+        QEQ:  Q ← Q − μQ(T1 − T2);  q ← q⊙(1 − μ(T1 − T2))
         QUAD: Q' = Q − (μ/2)(T1 − T2)Q, Q'' = Q' − (μ/2)Q'(T1 − T2),
               Q ← (Q'' + Q''ᴴ)/2;  q ← q⊙(1 − (μ/2)(T1 − T2))²
 
@@ -429,11 +430,13 @@ def update_factors_gen2(
         mu = preconditioner_lr / (L + TINY)
         E = T1 - T2
         if diagonal:
-            scale = mu if style == "PRO" else 0.5 * mu
+            scale = 0.5 * mu if style == "QUAD" else mu
             gain = 1 - scale[:, None] * E
-            Q = Q * (gain if style == "PRO" else gain * gain)
+            Q = Q * (gain * gain if style == "QUAD" else gain)
         elif style == "PRO":
             Q = procrustes_step(Q - mu[:, None, None] * torch.bmm(E, Q), rng, draw)
+        elif style == "QEQ":
+            Q = Q - mu[:, None, None] * torch.bmm(Q, E)
         else:
             half = (0.5 * mu)[:, None, None]
             Q = Q - half * torch.bmm(E, Q)

@@ -175,14 +175,14 @@ def state_dtypes(
 
 def cache_layout(group: dict[str, Any]) -> str | None:
     """The factor layout of a group (:func:`precond._common.kron_constants.
-    stored_cache`: 'packed' cannot hold PRO's full Q)."""
+    stored_cache`: 'packed' cannot hold PRO's or QEQ's full Q)."""
     return stored_cache(
         group["preconditioner_cache"], group["preconditioner_update_style"]
     )
 
 
 def generation_2(group: dict[str, Any]) -> bool:
-    """A generation-2 style ('QUAD', 'PRO'): Lipschitz estimates in the state."""
+    """A generation-2 style (not 'EQ'): Lipschitz estimates in the state."""
     return group["preconditioner_update_style"] != GENERATION_1_STYLE
 
 

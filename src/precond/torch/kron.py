@@ -227,13 +227,13 @@ class Kron(CheckedOptimizer):
             kron-torch 0.1.0 does (default False: the buffer keeps m, so the
             bias correction does not compound from step to step).
         damping: add 2^-11.5·mean|m̂|·V to m̂ before an 'EQ' fit, as
-            precond.jax.kron (default False, as kron-torch; 'QUAD' and 'PRO'
-            always damp, elementwise, as their rules define).
+            precond.jax.kron (default False, as kron-torch; the generation-2
+            styles always damp, elementwise, as their rules define).
         merge_small_dims: precondition in the shape that merges adjacent axes
             (``precond._common.factor_plan.merge_dims``), as precond.jax.kron.
         target_merged_dim_size: largest dim that ``merge_small_dims`` creates.
         preconditioner_update_style: 'EQ' (the generation-1 rule above),
-            'QUAD' or 'PRO' (generation-2 rules without triangular solves,
+            'QUAD', 'PRO' or 'QEQ' (generation-2 rules without triangular solves,
             ``_kron_math.update_factors_gen2``; Lipschitz estimates in the
             state), as in :func:`precond.jax.kron`.
         preconditioner_cache: how a triangular factor is stored: None (Q alone,
@@ -242,8 +242,8 @@ class Kron(CheckedOptimizer):
             instead of two) or 'packed' (Q and P in one (d + 1, d) array, about
             Q's memory, as precond.jax.kron's default; unpacking P is an
             elementwise pass over each factor every step, which on a CPU can
-            cost more than the matmul it saves). 'PRO', whose Q is not
-            triangular, stores 'packed' as 'dense'.
+            cost more than the matmul it saves). 'PRO' and 'QEQ', whose Q is
+            neither triangular nor symmetric, store 'packed' as 'dense'.
         seed: an int seeds the noise and the balancing draws per step (every
             rank draws the same without communicating; a restored run repeats
             them) and the update decision is a deterministic counter. None:
@@ -659,7 +659,7 @@ def _global_randomness(bucket, factors, mu_hat, draws: dict):
 
 
 def _fit_gen2(group, states, factors, target, noise, mu_hat):
-    """One 'QUAD' or 'PRO' fit (``update_factors_gen2``) to the target with
+    """One 'QUAD', 'PRO' or 'QEQ' fit (``update_factors_gen2``) to the target with
     relative damping noise, towards whitening targets; returns (factors,
     stacked Lipschitz estimates)."""
     lipschitz = [

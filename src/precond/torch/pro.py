@@ -129,7 +129,8 @@ class Pro(shared.CheckedOptimizer):
        δ = ``noise_scale``) by one generation-2 step
        (``_kron_math.update_factors_gen2``: step ``preconditioner_lr`` over a
        smoothed Lipschitz estimate with sampled norm bounds; 'PRO' adds a
-       Procrustes rotation, 'QUAD' keeps Q symmetric), whitening targets.
+       Procrustes rotation, 'QUAD' keeps Q symmetric, 'QEQ' steps Q on its
+       right), whitening targets.
     3. U = P·m̂ with the new factors, per block; U ← U·1.1/max(RMS(U), 1.1) per
        tensor; U ← U/5 when ``lr_style='adam'`` (so AdamW's learning rates carry
        over).
@@ -152,7 +153,8 @@ class Pro(shared.CheckedOptimizer):
         max_size_dense: matrix sides longer than this get a diagonal factor.
         preconditioner_lr: the fit's step size η (over the Lipschitz estimate).
         preconditioner_init_scale: every factor starts as this times identity.
-        preconditioner_update_style: 'PRO' or 'QUAD'.
+        preconditioner_update_style: 'PRO', 'QUAD' or 'QEQ' (see
+            :func:`precond.jax.pro`).
         dtype: torch.float32 or torch.bfloat16, of the momentum, the factors and
             the fit (Lipschitz estimates are float32).
         block_size: length of the blocks a dense side is cut into.
