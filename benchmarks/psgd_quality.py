@@ -40,7 +40,13 @@ Optimizers (``--optimizers``):
   exp(−decay·(n − flat)), never below ``min``;
 - any of the ``pro`` names above followed by ``:KEY=VALUE`` items (e.g.
   ``pro:b1=0.9``, ``pro-s100-0.01-0.05:block_size=128``): with those keyword
-  arguments of ``pro`` too, each value a Python literal;
+  arguments of ``pro`` too, each value a Python literal; ``:adam_part=R`` is
+  not pro's: pro then trains the hidden-layer weight matrices only, and AdamW
+  at rate R the rest (embeddings, head, biases, norms), as the bench's Muon;
+- ``adamw:weight_decay=X``, ``muon:weight_decay=X``: the bench's optimizer
+  with weight decay X instead of the bench's 1e-4 (a pro name's own
+  ``:weight_decay=X`` item replaces it there too), the controls of a pro
+  variant's decay;
 - ``dk2-pro``: distributed-kron 2.0.0's ``pro`` (the test oracle, loaded from
   ``.oracles/`` as tests/oracles.py does; see the README's test command), at
   ``pro``'s rate, given the params as a flat dict (it fails on the model's lists);
@@ -192,17 +198,43 @@ def _dict_keyed(optimizer):
     return optax.GradientTransformation(init, update)
 
 
+def _adam_on_the_rest(optimizer, adam_rate: float, weight_decay: float, hidden):
+    """``optimizer`` on the hidden-layer weight matrices (the workload's
+    ``hidden`` rule, Muon's split) and AdamW at ``adam_rate`` on the rest
+    (embeddings, output head, biases, norms), as the bench's Muon is built."""
+    import jax
+    import optax
+
+    def labels(params):
+        return jax.tree.map(lambda h: "hidden" if h else "rest", hidden(params))
+
+    rest = optax.adamw(adam_rate, weight_decay=weight_decay)
+    return optax.multi_transform({"hidden": optimizer, "rest": rest}, labels)
+
+
 def _specs(names):
     """The optimizer specs by name: the bench's, and this script's variants."""
     import precond.jax as pj
     from precond.bench.optimizers import OPTIMIZERS
 
-    def variant(name, description, **kwargs):
-        def make(learning_rate, weight_decay):
-            return pj.pro(learning_rate, weight_decay=weight_decay, **kwargs)
+    def variant(name, description, adam_part=None, **kwargs):
+        def make(learning_rate, weight_decay, **partition):
+            # A ``weight_decay`` item of the name replaces the bench's.
+            optimizer = pj.pro(
+                learning_rate, **({"weight_decay": weight_decay} | kwargs)
+            )
+            if adam_part is None:
+                return optimizer
+            return _adam_on_the_rest(
+                optimizer, adam_part, weight_decay, partition["hidden_matrices"]
+            )
 
         return dataclasses.replace(
-            OPTIMIZERS["pro"], name=name, description=description, make=make
+            OPTIMIZERS["pro"],
+            name=name,
+            description=description,
+            make=make,
+            partitioned=adam_part is not None,
         )
 
     def split_name(name):
@@ -259,11 +291,29 @@ def _specs(names):
         kwargs = schedule_arguments(base) | kwargs
         return variant(name, f"precond.jax.pro, {name}", **kwargs)
 
+    def bench_variant(name):
+        """``adamw:weight_decay=X``, ``muon:weight_decay=X``: a bench optimizer
+        with weight decay X in place of the bench's (the control for a pro
+        variant's own ``weight_decay``)."""
+        base, kwargs = split_name(name)
+        if set(kwargs) != {"weight_decay"} or base not in OPTIMIZERS:
+            raise SystemExit(f"{name!r}: only weight_decay can be set on {base!r}")
+        spec, decay = OPTIMIZERS[base], kwargs["weight_decay"]
+        return dataclasses.replace(
+            spec,
+            name=name,
+            description=f"{spec.description}, weight decay {decay}",
+            make=lambda learning_rate, _: spec.make(learning_rate, decay),
+            make_torch=None,
+        )
+
     def spec(name):
         if name == "dk2-pro" or name.startswith("dk2-pro:"):
             return distributed_kron_pro(name)
         if name.startswith(("pro-p", "pro-s", "pro-compact", "pro:")):
             return pro_variant(name)
+        if ":" in name:
+            return bench_variant(name)
         return OPTIMIZERS[name]
 
     return [spec(n) for n in names]

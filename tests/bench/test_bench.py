@@ -420,6 +420,59 @@ def test_psgd_quality_dk2_variant_is_the_control_of_its_pro_variant():
         quality._specs(["dk2-pro:b1"])
 
 
+def test_psgd_quality_variants_reach_the_optimizers_they_name():
+    """``pro:weight_decay=X`` and the control ``adamw:weight_decay=X`` replace the
+    bench's decay; ``pro:adam_part=R`` is pro on the weights the workload's rule
+    marks hidden and AdamW at R on the rest, each as if it ran alone."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import precond.jax as pj
+
+    quality = _psgd_quality()
+    key = jax.random.key(0)
+    params = {"w": jax.random.normal(key, (6, 5)), "b": jnp.ones(5)}
+    grads = [
+        jax.tree.map(lambda x, i=i: jnp.sin(x + i) + 0.1, params) for i in range(3)
+    ]
+
+    def params_after(optimizer, start):
+        state, p = optimizer.init(start), start
+        for g in grads:
+            updates, state = optimizer.update({k: g[k] for k in start}, state, p)
+            p = optax.apply_updates(p, updates)
+        return p
+
+    pro_decay, adamw_decay, hybrid = quality._specs(
+        ["pro:weight_decay=0.1", "adamw:weight_decay=0.1", "pro:adam_part=0.01"]
+    )
+    assert (pro_decay.partitioned, adamw_decay.partitioned, hybrid.partitioned) == (
+        False,
+        False,
+        True,
+    )
+    for spec, alone in [
+        (pro_decay, pj.pro(3e-3, weight_decay=0.1)),
+        (adamw_decay, optax.adamw(3e-3, weight_decay=0.1)),
+    ]:
+        got, want = (
+            params_after(spec.make(3e-3, 1e-4), params),
+            params_after(alone, params),
+        )
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    got = params_after(
+        hybrid.make(3e-3, 1e-4, hidden_matrices=lambda p: {"w": True, "b": False}),
+        params,
+    )
+    w = params_after(pj.pro(3e-3, weight_decay=1e-4), {"w": params["w"]})["w"]
+    b = params_after(optax.adamw(0.01, weight_decay=1e-4), {"b": params["b"]})["b"]
+    np.testing.assert_allclose(got["w"], w, rtol=1e-6)
+    np.testing.assert_allclose(got["b"], b, rtol=1e-6)
+    with pytest.raises(SystemExit, match="only weight_decay can be set on 'adamw'"):
+        quality._specs(["adamw:b1=0.8"])
+
+
 def test_psgd_quality_per_seed_table_shows_every_seed_against_the_mean_target():
     """AdamW ends at 1.5 and 1.6 (mean 1.55): its second seed never reaches the
     mean; each other seed is where its own curve crosses 1.55 and stays."""
