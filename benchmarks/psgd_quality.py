@@ -303,7 +303,9 @@ def _specs(names):
             spec,
             name=name,
             description=f"{spec.description}, weight decay {decay}",
-            make=lambda learning_rate, _: spec.make(learning_rate, decay),
+            make=lambda learning_rate, _, **parts: spec.make(
+                learning_rate, decay, **parts
+            ),
             make_torch=None,
         )
 

@@ -421,14 +421,16 @@ def test_psgd_quality_dk2_variant_is_the_control_of_its_pro_variant():
 
 
 def test_psgd_quality_variants_reach_the_optimizers_they_name():
-    """``pro:weight_decay=X`` and the control ``adamw:weight_decay=X`` replace the
-    bench's decay; ``pro:adam_part=R`` is pro on the weights the workload's rule
-    marks hidden and AdamW at R on the rest, each as if it ran alone."""
+    """``pro:weight_decay=X`` and the controls ``adamw:weight_decay=X`` and
+    ``muon:weight_decay=X`` replace the bench's decay; ``pro:adam_part=R`` is
+    pro on the weights the workload's rule marks hidden and AdamW at R on the
+    rest, each as if it ran alone."""
     import jax
     import jax.numpy as jnp
     import optax
 
     import precond.jax as pj
+    from precond.bench.optimizers import OPTIMIZERS
 
     quality = _psgd_quality()
     key = jax.random.key(0)
@@ -444,27 +446,21 @@ def test_psgd_quality_variants_reach_the_optimizers_they_name():
             p = optax.apply_updates(p, updates)
         return p
 
-    pro_decay, adamw_decay, hybrid = quality._specs(
-        ["pro:weight_decay=0.1", "adamw:weight_decay=0.1", "pro:adam_part=0.01"]
+    names = ["pro:weight_decay=0.1", "adamw:weight_decay=0.1", "muon:weight_decay=0.1"]
+    pro_decay, adamw_decay, muon_decay, hybrid = quality._specs(
+        [*names, "pro:adam_part=0.01"]
     )
-    assert (pro_decay.partitioned, adamw_decay.partitioned, hybrid.partitioned) == (
-        False,
-        False,
-        True,
-    )
-    for spec, alone in [
-        (pro_decay, pj.pro(3e-3, weight_decay=0.1)),
-        (adamw_decay, optax.adamw(3e-3, weight_decay=0.1)),
+    assert [s.partitioned for s in (pro_decay, adamw_decay, hybrid)] == [0, 0, 1]
+    hidden = {"hidden_matrices": lambda p: {"w": True, "b": False}}
+    muon_parts = {**hidden, "adam_learning_rate": 0.01}
+    for spec, alone, parts in [
+        (pro_decay, pj.pro(3e-3, weight_decay=0.1), {}),
+        (adamw_decay, optax.adamw(3e-3, weight_decay=0.1), {}),
+        (muon_decay, OPTIMIZERS["muon"].make(3e-3, 0.1, **muon_parts), muon_parts),
     ]:
-        got, want = (
-            params_after(spec.make(3e-3, 1e-4), params),
-            params_after(alone, params),
-        )
-        jax.tree.map(np.testing.assert_array_equal, got, want)
-    got = params_after(
-        hybrid.make(3e-3, 1e-4, hidden_matrices=lambda p: {"w": True, "b": False}),
-        params,
-    )
+        got = params_after(spec.make(3e-3, 1e-4, **parts), params)
+        jax.tree.map(np.testing.assert_array_equal, got, params_after(alone, params))
+    got = params_after(hybrid.make(3e-3, 1e-4, **hidden), params)
     w = params_after(pj.pro(3e-3, weight_decay=1e-4), {"w": params["w"]})["w"]
     b = params_after(optax.adamw(0.01, weight_decay=1e-4), {"b": params["b"]})["b"]
     np.testing.assert_allclose(got["w"], w, rtol=1e-6)
