@@ -20,6 +20,7 @@ import math
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 README = pathlib.Path(__file__).parents[1] / "README.md"
@@ -203,6 +204,71 @@ def test_readme_scale_by_shampoo_example_trains_and_is_the_alias_without_its_rat
     want, _ = run(alias, params, alias.init(params), 12)
     for name in params:
         assert jnp.array_equal(got[name], want[name]), name
+
+
+def test_readme_pro_with_adamw_on_the_rest_is_each_optimizer_alone():
+    """The char-lm recipe: pro on the blocks' weight matrices, AdamW on the
+    embedding, head, biases and norms, each stepping as it would alone."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    namespace: dict = {}
+    exec(_python_block("pro_on_hidden_matrices")[0], namespace)
+    pj, rate = namespace["pj"], namespace["adamw_rate"]
+    key = jax.random.key(0)
+    params = {
+        "embedding": jax.random.normal(key, (16, 8)),
+        "layers": [{"w": jax.random.normal(key, (8, 8)), "bias": jnp.zeros(8)}],
+        "head": jax.random.normal(key, (8, 16)),
+    }
+    assert namespace["pro_on_hidden_matrices"](params) == {
+        "embedding": "adamw",
+        "layers": [{"w": "pro", "bias": "adamw"}],
+        "head": "adamw",
+    }
+    # On the bench's char-lm the rule is the split benchmarked (Muon's).
+    from precond.bench.jax_models import char_lm_hidden_matrices, init_char_lm
+
+    char_lm = init_char_lm(0)
+    benchmarked = jax.tree.leaves(char_lm_hidden_matrices(char_lm))
+    readme = jax.tree.leaves(namespace["pro_on_hidden_matrices"](char_lm))
+    assert [label == "pro" for label in readme] == benchmarked
+    grads = [jax.tree.map(lambda x, i=i: jnp.cos(x * i), params) for i in range(3)]
+
+    def after(optimizer, part):
+        """``part(params)`` after 3 steps of ``optimizer`` on it, as leaves."""
+        p = part(params)
+        state = optimizer.init(p)
+        for g in grads:
+            updates, state = optimizer.update(part(g), state, p)
+            p = optax.apply_updates(p, updates)
+        return jax.tree.leaves(p)
+
+    labels = jax.tree.leaves(namespace["pro_on_hidden_matrices"](params))
+
+    def leaves_labelled(label):
+        return lambda tree: [
+            x for x, mine in zip(jax.tree.leaves(tree), labels) if mine == label
+        ]
+
+    pro_alone = pj.pro(
+        learning_rate=4 * rate,
+        b1=0.5,
+        weight_decay=1e-4,
+        preconditioner_update_style="QEQ",
+        preconditioner_update_probability=pj.precond_update_prob_schedule(
+            min_prob=0.2, decay=0.005, flat_start=200
+        ),
+    )
+    adamw_alone = optax.adamw(learning_rate=rate, weight_decay=1e-4)
+    alone = {
+        "pro": iter(after(pro_alone, leaves_labelled("pro"))),
+        "adamw": iter(after(adamw_alone, leaves_labelled("adamw"))),
+    }
+    together = after(namespace["optimizer"], lambda tree: tree)
+    for got, label in zip(together, labels, strict=True):
+        np.testing.assert_allclose(got, next(alone[label]), rtol=1e-6)
 
 
 def test_readme_torch_example_trains(capsys):
