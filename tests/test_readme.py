@@ -206,69 +206,55 @@ def test_readme_scale_by_shampoo_example_trains_and_is_the_alias_without_its_rat
         assert jnp.array_equal(got[name], want[name]), name
 
 
-def test_readme_pro_with_adamw_on_the_rest_is_each_optimizer_alone():
-    """The char-lm recipe: pro on the blocks' weight matrices, AdamW on the
-    embedding, head, biases and norms, each stepping as it would alone."""
+# The run BENCHMARKS.md reports for the README's recipe ("pro on the hidden
+# matrices, AdamW on the rest"), by its name in benchmarks/psgd_quality.py, at
+# 4 × AdamW's rate and the bench's weight decay of 1e-4.
+BENCHMARKED_PRO_SPLIT = (
+    "pro-s200-0.005-0.2:b1=0.5:preconditioner_update_style='QEQ':adam_part=0.01"
+)
+
+
+def test_readme_pro_with_adamw_on_the_rest_is_the_benchmarked_split():
+    """The char-lm recipe labels the bench's char-lm as its Muon splits it, and
+    steps as the benchmarked run's optimizer does (the benchmark's own test shows
+    that each part steps as pro or AdamW alone)."""
     import jax
     import jax.numpy as jnp
-    import optax
+
+    from precond.bench.jax_models import char_lm_hidden_matrices, init_char_lm
+    from tests.bench.helpers import psgd_quality
+    from tests.jax.helpers import params_after
 
     namespace: dict = {}
     exec(_python_block("pro_on_hidden_matrices")[0], namespace)
-    pj, rate = namespace["pj"], namespace["adamw_rate"]
+    labelled = namespace["pro_on_hidden_matrices"]
     key = jax.random.key(0)
     params = {
         "embedding": jax.random.normal(key, (16, 8)),
         "layers": [{"w": jax.random.normal(key, (8, 8)), "bias": jnp.zeros(8)}],
         "head": jax.random.normal(key, (8, 16)),
     }
-    assert namespace["pro_on_hidden_matrices"](params) == {
+    assert labelled(params) == {
         "embedding": "adamw",
         "layers": [{"w": "pro", "bias": "adamw"}],
         "head": "adamw",
     }
-    # On the bench's char-lm the rule is the split benchmarked (Muon's).
-    from precond.bench.jax_models import char_lm_hidden_matrices, init_char_lm
-
     char_lm = init_char_lm(0)
-    benchmarked = jax.tree.leaves(char_lm_hidden_matrices(char_lm))
-    readme = jax.tree.leaves(namespace["pro_on_hidden_matrices"](char_lm))
-    assert [label == "pro" for label in readme] == benchmarked
-    grads = [jax.tree.map(lambda x, i=i: jnp.cos(x * i), params) for i in range(3)]
+    readme = [label == "pro" for label in jax.tree.leaves(labelled(char_lm))]
+    assert readme == jax.tree.leaves(char_lm_hidden_matrices(char_lm))
 
-    def after(optimizer, part):
-        """``part(params)`` after 3 steps of ``optimizer`` on it, as leaves."""
-        p = part(params)
-        state = optimizer.init(p)
-        for g in grads:
-            updates, state = optimizer.update(part(g), state, p)
-            p = optax.apply_updates(p, updates)
-        return jax.tree.leaves(p)
-
-    labels = jax.tree.leaves(namespace["pro_on_hidden_matrices"](params))
-
-    def leaves_labelled(label):
-        return lambda tree: [
-            x for x, mine in zip(jax.tree.leaves(tree), labels) if mine == label
-        ]
-
-    pro_alone = pj.pro(
-        learning_rate=4 * rate,
-        b1=0.5,
-        weight_decay=1e-4,
-        preconditioner_update_style="QEQ",
-        preconditioner_update_probability=pj.precond_update_prob_schedule(
-            min_prob=0.2, decay=0.005, flat_start=200
-        ),
+    (benchmarked,) = psgd_quality()._specs([BENCHMARKED_PRO_SPLIT])
+    benchmarked_optimizer = benchmarked.make(
+        4 * namespace["adamw_rate"],
+        1e-4,
+        hidden_matrices=lambda p: jax.tree.map(lambda x: x == "pro", labelled(p)),
     )
-    adamw_alone = optax.adamw(learning_rate=rate, weight_decay=1e-4)
-    alone = {
-        "pro": iter(after(pro_alone, leaves_labelled("pro"))),
-        "adamw": iter(after(adamw_alone, leaves_labelled("adamw"))),
-    }
-    together = after(namespace["optimizer"], lambda tree: tree)
-    for got, label in zip(together, labels, strict=True):
-        np.testing.assert_allclose(got, next(alone[label]), rtol=1e-6)
+    grads = [jax.tree.map(lambda x, i=i: jnp.cos(x * i), params) for i in range(3)]
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        params_after(namespace["optimizer"], params, grads),
+        params_after(benchmarked_optimizer, params, grads),
+    )
 
 
 def test_readme_torch_example_trains(capsys):

@@ -8,7 +8,6 @@ import itertools
 import json
 import math
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from precond.bench.workloads import (
     load_char_lm_split,
     load_digits_split,
 )
+from tests.bench.helpers import psgd_quality
 
 HAS_KFAC = OPTIMIZERS["kfac"].available()
 
@@ -357,19 +357,10 @@ def test_run_from_json_inverts_write_json(tmp_path):
     assert (tmp_path / "again.json").read_text() == (tmp_path / "runs.json").read_text()
 
 
-def _psgd_quality():
-    """benchmarks/psgd_quality.py as a module."""
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "psgd_quality.py"
-    spec = importlib.util.spec_from_file_location("psgd_quality", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_psgd_quality_merge_reports_the_union_of_recorded_runs(tmp_path):
     """``--merge``: runs recorded by separate invocations (seeds 0 and 1–2)
     summarise as the runs of one would; a run recorded twice is refused."""
-    quality = _psgd_quality()
+    quality = psgd_quality()
     runs = [
         _run(name, lr, seed, [3.0, 2.0, end + 0.1 * seed])
         for name, lr, end in [("adamw", 1e-3, 1.5), ("pro", 2e-3, 1.0)]
@@ -393,9 +384,12 @@ def test_psgd_quality_dk2_variant_is_the_control_of_its_pro_variant():
     ``pro:b1=0.8``'s to float32 rounding (the same draws), and differ from
     ``dk2-pro``'s at its default b1 = 0.95 (the argument reaches it)."""
     import jax
+    import jax.flatten_util
     import jax.numpy as jnp
 
-    quality = _psgd_quality()
+    from tests.jax.helpers import params_after
+
+    quality = psgd_quality()
     names = ["pro:b1=0.8", "dk2-pro:b1=0.8", "dk2-pro"]
     specs = quality._specs(names)
     assert [s.name for s in specs] == names
@@ -405,15 +399,11 @@ def test_psgd_quality_dk2_variant_is_the_control_of_its_pro_variant():
         jax.tree.map(lambda x, i=i: jnp.sin(x + i) + 0.1, params) for i in range(3)
     ]
 
-    def params_after(spec):
-        optimizer = spec.make(3e-3, 1e-4)
-        state, p = optimizer.init(params), params
-        for g in grads:
-            updates, state = optimizer.update(g, state, p)
-            p = jax.tree.map(jnp.add, p, updates)
-        return np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)])
-
-    ours, control, default = (params_after(s) for s in specs)
+    flat = [
+        jax.flatten_util.ravel_pytree(params_after(s.make(3e-3, 1e-4), params, grads))
+        for s in specs
+    ]
+    ours, control, default = (np.asarray(vector) for vector, _ in flat)
     np.testing.assert_allclose(control, ours, rtol=1e-5, atol=1e-7)
     assert np.max(np.abs(default - ours)) > 1e-4
     with pytest.raises(SystemExit, match="is not of the form"):
@@ -431,20 +421,19 @@ def test_psgd_quality_variants_reach_the_optimizers_they_name():
 
     import precond.jax as pj
     from precond.bench.optimizers import OPTIMIZERS
+    from tests.jax.helpers import params_after
 
-    quality = _psgd_quality()
+    quality = psgd_quality()
     key = jax.random.key(0)
     params = {"w": jax.random.normal(key, (6, 5)), "b": jnp.ones(5)}
     grads = [
         jax.tree.map(lambda x, i=i: jnp.sin(x + i) + 0.1, params) for i in range(3)
     ]
 
-    def params_after(optimizer, start):
-        state, p = optimizer.init(start), start
-        for g in grads:
-            updates, state = optimizer.update({k: g[k] for k in start}, state, p)
-            p = optax.apply_updates(p, updates)
-        return p
+    def after(optimizer, keys=("w", "b")):
+        """The parameters named by ``keys`` after the three steps on them alone."""
+        start = {k: params[k] for k in keys}
+        return params_after(optimizer, start, [{k: g[k] for k in keys} for g in grads])
 
     names = ["pro:weight_decay=0.1", "adamw:weight_decay=0.1", "muon:weight_decay=0.1"]
     pro_decay, adamw_decay, muon_decay, hybrid = quality._specs(
@@ -458,11 +447,11 @@ def test_psgd_quality_variants_reach_the_optimizers_they_name():
         (adamw_decay, optax.adamw(3e-3, weight_decay=0.1), {}),
         (muon_decay, OPTIMIZERS["muon"].make(3e-3, 0.1, **muon_parts), muon_parts),
     ]:
-        got = params_after(spec.make(3e-3, 1e-4, **parts), params)
-        jax.tree.map(np.testing.assert_array_equal, got, params_after(alone, params))
-    got = params_after(hybrid.make(3e-3, 1e-4, **hidden), params)
-    w = params_after(pj.pro(3e-3, weight_decay=1e-4), {"w": params["w"]})["w"]
-    b = params_after(optax.adamw(0.01, weight_decay=1e-4), {"b": params["b"]})["b"]
+        got = after(spec.make(3e-3, 1e-4, **parts))
+        jax.tree.map(np.testing.assert_array_equal, got, after(alone))
+    got = after(hybrid.make(3e-3, 1e-4, **hidden))
+    w = after(pj.pro(3e-3, weight_decay=1e-4), ["w"])["w"]
+    b = after(optax.adamw(0.01, weight_decay=1e-4), ["b"])["b"]
     np.testing.assert_allclose(got["w"], w, rtol=1e-6)
     np.testing.assert_allclose(got["b"], b, rtol=1e-6)
     with pytest.raises(SystemExit, match="only weight_decay can be set on 'adamw'"):
@@ -472,7 +461,7 @@ def test_psgd_quality_variants_reach_the_optimizers_they_name():
 def test_psgd_quality_per_seed_table_shows_every_seed_against_the_mean_target():
     """AdamW ends at 1.5 and 1.6 (mean 1.55): its second seed never reaches the
     mean; each other seed is where its own curve crosses 1.55 and stays."""
-    quality = _psgd_quality()
+    quality = psgd_quality()
     runs = [
         _run("adamw", 1e-3, 0, [3.0, 2.0, 1.5]),
         _run("adamw", 1e-3, 1, [3.0, 2.0, 1.6]),

@@ -1,10 +1,11 @@
-"""Helpers shared by the JAX tests: float64 mode, running updates, balancing seeds,
-the table of every optimizer."""
+"""Helpers shared by the JAX tests: float64 mode, running updates, parameters after
+a few steps, balancing seeds, the table of every optimizer."""
 
 import contextlib
 import importlib
 
 import jax
+import optax
 
 import precond.jax as pj
 
@@ -28,6 +29,15 @@ def run_updates(optimizer, params, grads_per_step):
         updates, state = update(grads, state)
         outputs.append(updates)
     return outputs, state
+
+
+def params_after(optimizer, params, grads_per_step):
+    """``params`` after one eager update per gradient tree, applied by optax."""
+    state = optimizer.init(params)
+    for grads in grads_per_step:
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
 
 
 def seed_that_balances_at_step(step: int) -> int:
