@@ -94,15 +94,11 @@ def test_beats_adam_on_noisy_ill_conditioned_quadratic(graft):
     assert best < adam, (finals, adam)
 
 
-@pytest.mark.parametrize(
-    ("graft", "learning_rate"),
-    [(pj.GraftingType.SGD, 1.0), (pj.GraftingType.RMSPROP_NORMALIZED, 0.03)],
-    ids=["SGD", "RMSPROP_NORMALIZED"],
-)
-def test_converges_on_deterministic_ill_conditioned_quadratic(graft, learning_rate):
-    """1e-4 of the initial loss within 2000 steps."""
+def test_converges_on_deterministic_ill_conditioned_quadratic_with_sgd_grafting():
+    """1e-4 of the initial loss within 2000 steps. (RMSProp-normalized grafting at
+    0.03, the same run, is the contract table's Shampoo row: test_optax_contract.)"""
     loss, _, x0 = _quadratic("kronecker")
-    optimizer = _shampoo(graft, optax.cosine_decay_schedule(learning_rate, 2000))
+    optimizer = _shampoo(pj.GraftingType.SGD, optax.cosine_decay_schedule(1.0, 2000))
     final = float(_train("shampoo", False, optimizer, loss, x0, 2000)[1][-1])
     assert final < 1e-4 * float(loss(x0)), final
 
