@@ -1,10 +1,11 @@
-"""Compile and step time of ``precond.jax.pro``'s update on transformer-shaped
-parameters: the bench's char-lm (2 layers) and the same layers repeated to
-``--layers`` (default 12), not scanned, so that every layer's weights, biases
-and norms are separate parameters as in most model code.
+"""Compile and step time of ``precond.jax.pro``'s update (or ``--optimizer
+affine``'s) on transformer-shaped parameters: the bench's char-lm (2 layers)
+and the same layers repeated to ``--layers`` (default 12), not scanned, so
+that every layer's weights, biases and norms are separate parameters as in
+most model code.
 
 For each model it prints the seconds to trace and lower ``jax.jit(update)``,
-to compile it, the number of factor stacks, and the median time of the
+to compile it, pro's number of factor stacks, and the median time of the
 compiled update (fitting the factors with probability ``--probability``, at a
 fixed step, so either always or never; default 0.1: at step 1 it fits).
 
@@ -35,8 +36,13 @@ def models(layers: int) -> dict:
     return {"char-lm": params, f"char-lm, {layers} layers": deep}
 
 
-def measure(params, probability: float, repeats: int) -> dict:
-    optimizer = pj.pro(0.02, preconditioner_update_probability=probability)
+# --optimizer: the function and its learning rate.
+OPTIMIZERS = {"pro": (pj.pro, 0.02), "affine": (pj.affine, 0.01)}
+
+
+def measure(name: str, params, probability: float, repeats: int) -> dict:
+    make, learning_rate = OPTIMIZERS[name]
+    optimizer = make(learning_rate, preconditioner_update_probability=probability)
     state = optimizer.init(params)
     grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
     start = time.perf_counter()
@@ -55,22 +61,23 @@ def measure(params, probability: float, repeats: int) -> dict:
     return {
         "trace s": traced - start,
         "compile s": compiled - traced,
-        "stacks": len(state[0].factors),
+        "stacks": len(state[0].factors) if name == "pro" else "-",
         "update ms": float(np.median(times)),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="pro")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--probability", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    print(f"precond from {precond.__file__}, jax {jax.__version__}")
+    print(f"{args.optimizer}: precond from {precond.__file__}, jax {jax.__version__}")
     print("| model | parameters | stacks | trace s | compile s | update ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, params in models(args.layers).items():
-        row = measure(params, args.probability, args.repeats)
+        row = measure(args.optimizer, params, args.probability, args.repeats)
         size = sum(x.size for x in jax.tree.leaves(params))
         print(
             f"| {name} | {size:,} | {row['stacks']} | {row['trace s']:.2f} "

@@ -125,6 +125,25 @@ def test_expected_noise_grams(name):
         assert np.linalg.norm(m - w) < 0.05 * np.linalg.norm(w)
 
 
+@pytest.mark.parametrize("make_key", [jax.random.PRNGKey, jax.random.key])
+def test_leaf_keys_are_psgd_jax_s_per_leaf_draws(make_key):
+    """The keys and balancing draws derived for all leaves at once are those of
+    psgd-jax's per-leaf chain: k₀, k_v = split(k) and u from
+    split(split(k₀)[1])[1] where v is sampled, u from split(k)[1] elsewhere."""
+    keys = jax.random.split(make_key(7), 5)
+    sampled = (True, False, True, False, True)
+    v_keys, draws = jax.jit(affine_module._leaf_keys, static_argnums=1)(keys, sampled)
+    data = jax.random.key_data
+    for k, sample, v_key, u in zip(keys, sampled, v_keys, draws, strict=True):
+        if sample:
+            k, want_v_key = jax.random.split(k)
+            np.testing.assert_array_equal(data(v_key), data(want_v_key))
+            k = jax.random.split(k)[1]
+        else:
+            assert v_key is None
+        assert u == jax.random.uniform(jax.random.split(k)[1])
+
+
 def _integrates_noise_out(view, diagonal):
     """psgd-jax's rule: whitening integrates v out when both sides are diagonal,
     or one is and its side is at least as long as the other."""

@@ -20,7 +20,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -358,30 +358,55 @@ def _init_all(
     return jax.tree.map(leaf_factors, params), key
 
 
-def _fit_leaf(factors, h, v, lr, first, key, newton, step_normalizer_order):
-    """One leaf's fit on its matrix views h (and v in Newton mode): the first
-    fit's scaling, :func:`affine_update`, then balancing with probability 0.01."""
+def _fit_leaf(factors, h, v, balance, lr, first, newton, step_normalizer_order):
+    """One leaf's fit on its matrix views h and v (Newton mode's, or the sampled
+    v, or None to integrate v out): the first fit's scaling,
+    :func:`affine_update`, then balancing where ``balance``."""
     if h.size == 0:
         return factors
-    dtype = factors.left.dtype
-    h = h.astype(dtype)
-    v = v.astype(dtype) if newton else None
-    scale = first_fit_scale(h, v, 0.125)
+    h = h.astype(factors.left.dtype)
+    scale = first_fit_scale(h, v.astype(h.dtype) if newton else None, 0.125)
     factors = AffineFactors(*(jnp.where(first, Q * scale, Q) for Q in factors))
-    # psgd-jax's draws from the leaf's key: v (when sampled), then the
-    # balancing decision.
-    if not newton and not integrates_noise_out(factors):
-        key, v_key = jax.random.split(key)
-        # A tree of one array is that array.
-        v = cast(jax.Array, optax.tree.random_like(v_key, h, jax.random.normal))
-        key = jax.random.split(key)[1]
+    if v is not None:
+        v = v.astype(h.dtype)
     factors = affine_update(factors, h, v, lr, step_normalizer_order)
-    balance = jax.random.uniform(jax.random.split(key)[1]) < BALANCE_PROBABILITY
     # Balancing only rescales (O(d²) work): a select, not a branch.
     balanced = km.balance_factors(list(factors))
     return AffineFactors(
         *(jnp.where(balance, b, Q) for b, Q in zip(balanced, factors, strict=True))
     )
+
+
+def _leaf_keys(keys: jax.Array, sampled: Sequence[bool]):
+    """psgd-jax's use of each leaf's key k, derived for all leaves in one batched
+    call per derivation (the bits of the per-leaf calls, at a fraction of their
+    compile time):
+
+    * a leaf that samples v: k₀, k_v = split(k), v drawn from k_v, then the
+      balancing draw u = uniform(split(split(k₀)[1])[1]);
+    * another: u = uniform(split(k)[1]).
+
+    Returns (k_v or None per leaf, the (leaves,) draws u); a leaf balances
+    where u < BALANCE_PROBABILITY.
+    """
+    split = jax.vmap(jax.random.split)
+    halves = split(keys)
+    after_v = split(halves[:, 0])[:, 1]
+    decision_keys = jnp.stack(
+        [after_v[i] if sample else keys[i] for i, sample in enumerate(sampled)]
+    )
+    draws = jax.vmap(lambda k: jax.random.uniform(jax.random.split(k)[1]))(
+        decision_keys
+    )
+    v_keys = [halves[i, 1] if sample else None for i, sample in enumerate(sampled)]
+    return v_keys, draws
+
+
+def _sampled_v(factors: AffineFactors, h: jax.Array, key: jax.Array | None):
+    """v ~ N(0, I) like h in the fit's dtype, from ``key``; None without one."""
+    if key is None:
+        return None
+    return optax.tree.random_like(key, h.astype(factors.left.dtype), jax.random.normal)
 
 
 def _matrix_views(tree, permute_axes):
@@ -405,16 +430,33 @@ def _fit_all(
     precision,
     permute_axes,
 ):
-    """Every leaf's :func:`_fit_leaf`, each with its share of ``key``."""
+    """Every leaf's :func:`_fit_leaf`, each with the draws of its share of
+    ``key`` (:func:`_leaf_keys`; in Newton mode only the balancing decision)."""
     treedef = jax.tree.structure(h)
     leaf_factors = treedef.flatten_up_to(factors)
     keys = jax.random.split(key, max(len(leaf_factors), 1))[: len(leaf_factors)]
     hs = _matrix_views(h, permute_axes)
-    vs = _matrix_views(v, permute_axes) if newton else [None] * len(leaf_factors)
+    # Whitening samples v ~ N(0, I) like h (in the fit's dtype) where it does
+    # not integrate v out.
+    sampled = [
+        not newton and h_leaf.size > 0 and not integrates_noise_out(f)
+        for f, h_leaf in zip(leaf_factors, hs, strict=True)
+    ]
     with matmul_precision(precision), jax.named_scope("precond/affine/fit"):
+        v_keys, draws = _leaf_keys(keys, sampled) if hs else ([], jnp.zeros(0))
+        balances = list(draws < BALANCE_PROBABILITY)
+        vs = (
+            _matrix_views(v, permute_axes)
+            if newton
+            else list(map(_sampled_v, leaf_factors, hs, v_keys))
+        )
         new = [
-            _fit_leaf(f, h_leaf, v_leaf, lr, first, k, newton, step_normalizer_order)
-            for f, h_leaf, v_leaf, k in zip(leaf_factors, hs, vs, keys, strict=True)
+            _fit_leaf(
+                f, h_leaf, v_leaf, balance, lr, first, newton, step_normalizer_order
+            )
+            for f, h_leaf, v_leaf, balance in zip(
+                leaf_factors, hs, vs, balances, strict=True
+            )
         ]
     return treedef.unflatten(new)
 
