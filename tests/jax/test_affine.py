@@ -144,6 +144,20 @@ def test_leaf_keys_are_psgd_jax_s_per_leaf_draws(make_key):
         assert u == jax.random.uniform(jax.random.split(k)[1])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
+def test_batched_draws_of_v_are_optax_random_like_s(dtype):
+    """One batched draw per shape gives each leaf the v that
+    ``optax.tree.random_like`` draws from its key alone."""
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    got = jax.jit(affine_module._random_like_draws, static_argnums=(1, 2))(
+        keys, (6, 4), dtype
+    )
+    like = jnp.zeros((6, 4), dtype)
+    for k, v in zip(keys, got, strict=True):
+        want = optax.tree.random_like(k, like, jax.random.normal)
+        np.testing.assert_array_equal(v, want)
+
+
 def _integrates_noise_out(view, diagonal):
     """psgd-jax's rule: whitening integrates v out when both sides are diagonal,
     or one is and its side is at least as long as the other."""

@@ -106,7 +106,7 @@ def per_parameter(option: Any, params: Any, name: str) -> list:
     return entries
 
 
-def _typed_sharding(x: Any) -> NamedSharding | None:
+def typed_sharding(x: Any) -> NamedSharding | None:
     """The sharding in ``x``'s type (explicit meshes only; the same in and out of
     ``jit``, unlike a concrete array's ``.sharding``)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -119,7 +119,7 @@ def explicit_specs(tree: Any) -> Any | None:
     """Each leaf's PartitionSpec from its type (``PartitionSpec()`` if it has
     none) when some leaf lives on a mesh with Explicit axes; None otherwise."""
     leaves, treedef = jax.tree.flatten(tree)
-    shardings = [_typed_sharding(x) for x in leaves]
+    shardings = [typed_sharding(x) for x in leaves]
     if not any(
         s is not None and AxisType.Explicit in s.mesh.axis_types for s in shardings
     ):
@@ -131,7 +131,7 @@ def explicit_specs(tree: Any) -> Any | None:
 
 def _mesh_from_leaves(leaves: Sequence[Any]) -> Any:
     for x in leaves:
-        sharding = _typed_sharding(x)
+        sharding = typed_sharding(x)
         if sharding is not None:
             return sharding.mesh
     return None
@@ -139,7 +139,7 @@ def _mesh_from_leaves(leaves: Sequence[Any]) -> Any:
 
 def _specs_from_leaves(leaves: Sequence[Any]) -> tuple | None:
     """Each leaf's spec from its type, or None if some leaf's type has none."""
-    shardings = [_typed_sharding(x) for x in leaves]
+    shardings = [typed_sharding(x) for x in leaves]
     specs = tuple(s.spec for s in shardings if s is not None)
     return specs if len(specs) == len(shardings) else None
 

@@ -32,6 +32,7 @@ from precond._common.kron_constants import BALANCE_PROBABILITY
 from precond._common.validation import check_bool, check_int
 from precond.jax import _kron_math as km
 from precond.jax._guards import is_params_placeholder
+from precond.jax._kron_sharding import typed_sharding
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
@@ -402,11 +403,35 @@ def _leaf_keys(keys: jax.Array, sampled: Sequence[bool]):
     return v_keys, draws
 
 
-def _sampled_v(factors: AffineFactors, h: jax.Array, key: jax.Array | None):
-    """v ~ N(0, I) like h in the fit's dtype, from ``key``; None without one."""
-    if key is None:
-        return None
-    return optax.tree.random_like(key, h.astype(factors.left.dtype), jax.random.normal)
+def _sampled_vs(leaf_factors, hs, v_keys) -> list[jax.Array | None]:
+    """v ~ N(0, I) like each h, in the fit's dtype, from its key (None without
+    one): ``optax.tree.random_like``'s draw, one batched call per (shape, dtype);
+    a leaf whose type carries a mesh sharding draws alone, with that sharding."""
+    vs: list[jax.Array | None] = [None] * len(hs)
+    batches: dict[tuple, list[int]] = {}
+    for i, (factors, h, key) in enumerate(zip(leaf_factors, hs, v_keys, strict=True)):
+        if key is None:
+            continue
+        like = h.astype(factors.left.dtype)
+        if typed_sharding(like) is not None:
+            vs[i] = optax.tree.random_like(key, like, jax.random.normal)
+        else:
+            batches.setdefault((like.shape, like.dtype), []).append(i)
+    for (shape, dtype), leaves in batches.items():
+        keys = jnp.stack([v_keys[i] for i in leaves])
+        for i, v in zip(leaves, _random_like_draws(keys, shape, dtype), strict=True):
+            vs[i] = v
+    return vs
+
+
+def _random_like_draws(keys: jax.Array, shape, dtype) -> jax.Array:
+    """``optax.tree.random_like(k, x, jax.random.normal)`` for every key k and an
+    unsharded array x of ``shape`` and ``dtype``: normal(split(k, 1)[0])."""
+
+    def draw(key):
+        return jax.random.normal(jax.random.split(key, 1)[0], shape, dtype)
+
+    return jax.vmap(draw)(keys)
 
 
 def _matrix_views(tree, permute_axes):
@@ -448,7 +473,7 @@ def _fit_all(
         vs = (
             _matrix_views(v, permute_axes)
             if newton
-            else list(map(_sampled_v, leaf_factors, hs, v_keys))
+            else _sampled_vs(leaf_factors, hs, v_keys)
         )
         new = [
             _fit_leaf(
