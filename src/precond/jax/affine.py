@@ -20,7 +20,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -414,7 +414,10 @@ def _sampled_vs(leaf_factors, hs, v_keys) -> list[jax.Array | None]:
             continue
         like = h.astype(factors.left.dtype)
         if typed_sharding(like) is not None:
-            vs[i] = optax.tree.random_like(key, like, jax.random.normal)
+            # A tree of one array is that array.
+            vs[i] = cast(
+                jax.Array, optax.tree.random_like(key, like, jax.random.normal)
+            )
         else:
             batches.setdefault((like.shape, like.dtype), []).append(i)
     for (shape, dtype), leaves in batches.items():
