@@ -3,10 +3,11 @@ optimizer (docs/make_arguments.py): it must match what the code checks now."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
+
+from tests.bench.helpers import script_module
 
 pytest.importorskip("jax")
 pytest.importorskip("torch")
@@ -15,12 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location(
-        "make_arguments", ROOT / "docs" / "make_arguments.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("docs/make_arguments.py")
 
 
 def test_arguments_doc_is_generated_from_the_current_tables():
