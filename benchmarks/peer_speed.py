@@ -35,6 +35,13 @@ products and triangular solves (their operators' self time under
 precond over the original's whole step: the ratio precond would reach if the
 rest of its step took no time.
 
+For ``shampoo`` a second table gives the floor of Google's algorithm on these
+blocks (``benchmarks/_shampoo_floor.py``): the time of its matrix products
+alone (per step: the statistics and the preconditioning; per root computation:
+the coupled Newton iterations the statistics take), timed as jitted programs,
+and that floor over the original's step, which no implementation of the same
+algorithm reaches on this machine with XLA's matrix products.
+
 Protocol: each optimizer's update (JAX: ``jax.jit`` with the state donated;
 torch: ``optimizer.step()``, the gradients set before each step) runs a fixed
 number of steps per round (20 at Kron's update probability 1, where every step fits the
@@ -59,6 +66,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -233,6 +241,18 @@ def heavyball_pair(model: str, probability: float) -> dict[str, Callable]:
     }
 
 
+def _shampoo_arguments(interval: int) -> dict[str, Any]:
+    """The Shampoo pair's arguments, roots every ``interval`` steps."""
+    return dict(
+        learning_rate=LEARNING_RATE,
+        block_size=SHAMPOO_BLOCK,
+        preconditioning_compute_steps=interval,
+        start_preconditioning_step=1,
+        # 0.0.6's default differs from the seed's (precond's): set both.
+        merge_small_dims_block_size=SHAMPOO_BLOCK,
+    )
+
+
 def shampoo_pair(model: str, interval: int) -> dict[str, Callable]:
     from tests.jax.test_parity_shampoo import patched_optax_shampoo
 
@@ -241,14 +261,7 @@ def shampoo_pair(model: str, interval: int) -> dict[str, Callable]:
     # The oracle with the parity tests' shims for today's JAX, left applied.
     original = next(patched_optax_shampoo())
     params, grads = _jax_params(model)
-    arguments = dict(
-        learning_rate=LEARNING_RATE,
-        block_size=SHAMPOO_BLOCK,
-        preconditioning_compute_steps=interval,
-        start_preconditioning_step=1,
-        # 0.0.6's default differs from the seed's (precond's): set both.
-        merge_small_dims_block_size=SHAMPOO_BLOCK,
-    )
+    arguments = _shampoo_arguments(interval)
     return {
         "precond": lambda: jax_stepper(
             pj.distributed_shampoo(**arguments), params, grads
@@ -259,9 +272,9 @@ def shampoo_pair(model: str, interval: int) -> dict[str, Callable]:
     }
 
 
-def cases(pairs, models) -> list[tuple[str, str, str, int, Callable]]:
-    """(pair, model, setting, steps per round, make the pair's steppers) for
-    every case asked."""
+def cases(pairs, models) -> list[tuple[str, str, str, Any, int, Callable]]:
+    """(pair, model, setting, its value, steps per round, make the pair's
+    steppers) for every case asked."""
     # (label, argument, steps per round): a round of a rare event (a fit at
     # p = 0.03, a root every 33 steps) holds several of them.
     settings = {
@@ -284,7 +297,14 @@ def cases(pairs, models) -> list[tuple[str, str, str, int, Callable]]:
         "shampoo": shampoo_pair,
     }
     return [
-        (pair, model, label, window, lambda p=pair, m=model, v=value: makers[p](m, v))
+        (
+            pair,
+            model,
+            label,
+            value,
+            window,
+            lambda p=pair, m=model, v=value: makers[p](m, v),
+        )
         for pair in pairs
         for model in models
         for label, value, window in settings[pair]
@@ -343,6 +363,22 @@ def torch_matmul_ms(runs: dict[str, Callable], window: int) -> dict[str, float]:
     return floors
 
 
+@functools.cache
+def _shampoo_floor(model: str) -> dict:
+    from benchmarks._shampoo_floor import shampoo_floor_ms
+
+    params, grads = _jax_params(model)
+    return shampoo_floor_ms(params, grads, _shampoo_arguments(1))
+
+
+def shampoo_floor_of_step(model: str, interval: int) -> dict:
+    """The Shampoo pair's floor (benchmarks/_shampoo_floor.py) for a step with
+    roots every ``interval`` steps: S + N/interval ms (S alone for NEVER)."""
+    floor = _shampoo_floor(model)
+    roots = 0.0 if interval == NEVER else floor["roots"] / interval
+    return floor | {"step": floor["per_step"] + roots}
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -372,12 +408,14 @@ def main(argv=None) -> int:
     print("| pair | model | setting | precond ms | original ms | precond / original |")
     print("|---|---|---|---:|---:|---:|")
     rows = []
-    for pair, model, label, window, make in cases(pairs, args.models.split(",")):
+    for pair, model, label, value, window, make in cases(pairs, args.models.split(",")):
         window = min(window, 3) if args.quick else window
         runs = {name: start() for name, start in make().items()}
         result = measure_pair(runs, window, rounds)
         if pair.startswith("torch-kron"):
             result["matmul_ms"] = torch_matmul_ms(runs, window)
+        if pair == "shampoo":
+            result["floor_ms"] = shampoo_floor_of_step(model, value)
         ms = result["ms"]
         print(
             f"| {pair} | {model} | {label} | {ms['precond']:.2f} | "
@@ -390,6 +428,9 @@ def main(argv=None) -> int:
     floors = [row for row in rows if "matmul_ms" in row]
     if floors:
         print_matmul_floors(floors)
+    shampoo_floors = [row for row in rows if "floor_ms" in row]
+    if shampoo_floors:
+        print_shampoo_floors(shampoo_floors)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"machine": info, "rows": rows}))
     return 0
@@ -412,6 +453,39 @@ def print_matmul_floors(rows: list[dict]) -> None:
             f"{floor['precond'] / row['ms']['original']:.2f} |",
             flush=True,
         )
+
+
+def print_shampoo_floors(rows: list[dict]) -> None:
+    """The Shampoo pair's floor (benchmarks/_shampoo_floor.py): the matrix
+    products of Google's algorithm on precond's blocks, and that floor over the
+    original's step, the ratio no implementation of the algorithm whose products
+    run at XLA's speed reaches on this machine; then the Newton iterations per
+    stack of statistics (n×n, root p, rows: fewest–most of a row)."""
+    print()
+    print(
+        "| pair | model | setting | products per step: GFLOP, ms | products per "
+        "root computation: GFLOP, ms | floor ms | original ms "
+        "| floor / original step |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        floor = row["floor_ms"]
+        print(
+            f"| {row['pair']} | {row['model']} | {row['setting']} | "
+            f"{floor['per_step_gflop']:.3f}, {floor['per_step']:.2f} | "
+            f"{floor['roots_gflop']:.2f}, {floor['roots']:.1f} | "
+            f"{floor['step']:.2f} | {row['ms']['original']:.2f} | "
+            f"{floor['step'] / row['ms']['original']:.2f} |",
+            flush=True,
+        )
+    print()
+    for model in dict.fromkeys(row["model"] for row in rows):
+        stacks = _shampoo_floor(model)["stacks"]
+        iterations = ", ".join(
+            f"{n}×{n} p={p} ×{k}: {low}" + (f"–{high}" if high != low else "")
+            for n, p, k, low, high in stacks
+        )
+        print(f"Newton iterations, {model}: {iterations}")
 
 
 if __name__ == "__main__":
