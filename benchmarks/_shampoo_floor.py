@@ -8,11 +8,12 @@ which blocks as Google's does), whatever the rest of its step costs:
   of every block, and the preconditioning products G_b ×_k P_k;
 - per root computation, N: the coupled Newton iteration's products (T^p by
   squaring, T^p·M and H·T) on every (K, n, n) stack of statistics, as many
-  times as precond's kernel iterates on each statistic of the given gradients
-  (counted row by row, though a vmapped while loop, precond's and Google's,
-  runs until a stack's last row stops). The iteration is Google's, with its
-  start and stopping rule, so an implementation of it runs as many, give or
-  take rounding.
+  times as precond's kernel iterates on each statistic after one step on the
+  given gradients, counted row by row (a vmapped while loop, precond's and
+  Google's, runs until a stack's last row stops). The iteration is Google's,
+  with its start and stopping rule, so an implementation of it runs as many,
+  give or take rounding; on the bench's models later statistics take more
+  iterations, so the floor of a longer run is higher still.
 
 Not counted: the power iterations (matrix-vector products), elementwise work,
 grafting and momentum. A step with roots every ``interval`` steps costs at least
