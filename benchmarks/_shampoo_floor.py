@@ -5,7 +5,8 @@ algorithm on the same blocks (precond's layout, :mod:`precond.jax._shampoo_layou
 which blocks as Google's does), whatever the rest of its step costs:
 
 - per step, S: the statistics' grams G_b·G_bᵀ along every preconditioned axis
-  of every block, and the preconditioning products G_b ×_k P_k;
+  of every block, and the preconditioning products G_b ×_k P_k (with the
+  cutting of the gradients into blocks that they read);
 - per root computation, N: the coupled Newton iteration's products (T^p by
   squaring, T^p·M and H·T) on every (K, n, n) stack of statistics, as many
   times as precond's kernel iterates on each statistic after one step on the
