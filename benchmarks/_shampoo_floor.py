@@ -9,12 +9,12 @@ which blocks as Google's does), whatever the rest of its step costs:
   cutting of the gradients into blocks that they read);
 - per root computation, N: the coupled Newton iteration's products (T^p by
   squaring, T^p·M and H·T) on every (K, n, n) stack of statistics, as many
-  times as precond's kernel iterates on each statistic after one step on the
-  given gradients, counted row by row (a vmapped while loop, precond's and
-  Google's, runs until a stack's last row stops). The iteration is Google's,
-  with its start and stopping rule, so an implementation of it runs as many,
-  give or take rounding; on the bench's models later statistics take more
-  iterations, so the floor of a longer run is higher still.
+  times as precond's kernel iterates on each statistic after a given number
+  of steps on the given gradients, counted row by row (a vmapped while loop,
+  precond's and Google's, runs until a stack's last row stops). The iteration
+  is Google's, with its start and stopping rule, so an implementation of it
+  runs as many, give or take rounding. Statistics of other steps may take
+  other counts (the script counts at one number of steps).
 
 Not counted: the power iterations (matrix-vector products), elementwise work,
 grafting and momentum. A step with roots every ``interval`` steps costs at least
@@ -116,16 +116,22 @@ def _random_orthogonal(key, shape) -> jax.Array:
     return jnp.linalg.qr(jax.random.normal(key, shape))[0]
 
 
-def shampoo_floor_ms(params, grads, arguments: dict, runs: int = 30) -> dict:
-    """The floor of ``distributed_shampoo(**arguments)`` (its ``eigh`` False)
-    on ``params``, with the statistics of a step on ``grads``: {'per_step': S
-    ms, 'roots': N ms, 'per_step_gflop', 'roots_gflop', 'stacks': [(n, p,
-    rows, fewest and most Newton iterations of a row)]}."""
+def shampoo_floor_ms(
+    params, grads, arguments: dict, statistics_steps: int, runs: int = 30
+) -> dict:
+    """The floor of ``distributed_shampoo(**arguments)`` (its ``eigh`` False,
+    no LOBPCG deflation) on ``params``, with the statistics of
+    ``statistics_steps`` steps on ``grads``: {'per_step': S ms, 'roots': N ms,
+    'per_step_gflop', 'roots_gflop', 'stacks': [(n, p, rows, fewest and most
+    Newton iterations of a row)]}."""
     config = _bound_config((), arguments)
     leaves = jax.tree.leaves(grads)
     layout = plan_layout([g.shape for g in leaves], config)
     optimizer = distributed_shampoo(**arguments)
-    _, state = jax.jit(optimizer.update)(grads, optimizer.init(params), params)
+    update = jax.jit(optimizer.update, donate_argnums=1)
+    state = optimizer.init(params)
+    for _ in range(statistics_steps):
+        _, state = update(grads, state, params)
     per_step = _compiled(lambda gs: _per_step_products(gs, layout, config), leaves)
     roots_ms, roots_flops, stacks = 0.0, 0.0, []
     for (n, p), rows, stack in zip(

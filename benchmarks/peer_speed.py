@@ -97,6 +97,9 @@ SHAMPOO_BLOCK = 128
 # A root interval no run reaches: roots at step 0 only, so that the steps timed
 # are Shampoo's per-step part (statistics, preconditioning, grafting) alone.
 NEVER = 10**9
+# The Shampoo floor counts Newton iterations on the statistics after as many
+# steps as the roots-every-step run takes (2 warm-up steps, 7 rounds of 5).
+FLOOR_STATISTICS_STEPS = 2 + 7 * 5
 
 
 # ----------------------------------------------------------------- steppers
@@ -368,7 +371,9 @@ def _shampoo_floor(model: str) -> dict:
     from benchmarks._shampoo_floor import shampoo_floor_ms
 
     params, grads = _jax_params(model)
-    return shampoo_floor_ms(params, grads, _shampoo_arguments(1))
+    return shampoo_floor_ms(
+        params, grads, _shampoo_arguments(1), FLOOR_STATISTICS_STEPS
+    )
 
 
 def shampoo_floor_of_step(model: str, interval: int) -> dict:
