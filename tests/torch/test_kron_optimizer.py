@@ -240,6 +240,44 @@ def test_none_gradients_are_skipped_with_state_untouched(noise_by_shape):
         assert torch.equal(alone[0], params[i]), SHAPES[i]
 
 
+def test_bucket_stacks_step_as_states_restacked_every_step():
+    """Equal-shaped parameters keep their factors and momenta in shared stacks
+    (``_kron_state.BucketStacks``) whose views are the states' tensors. Oracle:
+    the same run with the stacks dropped before every step, so each step stacks
+    the states afresh. Bit for bit, through buckets that split and merge (a
+    missing gradient), a state tensor replaced by the user, and in-place edits."""
+    shapes = [(4, 3), (4, 3), (4, 3), (5,)]
+    grads = gradients(shapes, 8)
+    # (4, 3) #1 misses step 3, and #0 step 6: the buckets of the (4, 3)s are
+    # {0, 1, 2} for steps 1-2, {0, 2} and {1} for steps 3-5, then {0, 1} and {2}.
+    grads[2][1] = None
+    grads[5][0] = None
+
+    def edit(optimizer, params, step):  # after a step, within one bucketing
+        if step == 3:  # replaced: the next step must read the new tensor
+            state = optimizer.state[params[2]]
+            state[MOMENTUM] = torch.full_like(state[MOMENTUM], 0.5)
+        if step == 6:  # edited in place: the stack must see it
+            optimizer.state[params[0]][FACTORS][0].mul_(1.5)
+
+    runs = []
+    for restack in (False, True):
+        params = make_params(shapes)
+        optimizer = Kron(params, lr=0.1, weight_decay=0.1, seed=3)
+        for step, step_grads in enumerate(grads):
+            if restack:
+                optimizer._stacks.clear()
+            run(optimizer, params, [step_grads])
+            edit(optimizer, params, step)
+        runs.append((params, optimizer))
+    (params, optimizer), (params_oracle, oracle) = runs
+    first = optimizer.state[params[0]][FACTORS][0]
+    assert first._base is not None  # a view of a stack, not a tensor of its own
+    for p, q in zip(params, params_oracle, strict=True):
+        assert torch.equal(p, q)
+        _assert_entry_equal(optimizer.state[p], oracle.state[q])
+
+
 def test_sparse_gradient_is_refused():
     embedding = torch.nn.Embedding(10, 3, sparse=True)
     optimizer = Kron(embedding.parameters())

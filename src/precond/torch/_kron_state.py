@@ -153,6 +153,51 @@ def buckets(entries, optimizer_state) -> dict[tuple, list]:
     return grouped
 
 
+class BucketStacks:
+    """A bucket's factors (one (B, ...) stack per axis) and momenta ((B, *shape)),
+    of which each parameter's ``state[FACTORS][axis]`` and ``state[MOMENTUM]``
+    are views: a step reads and writes all of them in one call per stack,
+    without stacking copies."""
+
+    def __init__(self, states: list[dict[str, Any]]):
+        self.factors = [
+            torch.stack([s[FACTORS][axis] for s in states])
+            for axis in range(len(states[0][FACTORS]))
+        ]
+        self.momentum = torch.stack([s[MOMENTUM] for s in states])
+        for i, state in enumerate(states):
+            state[FACTORS] = [F[i] for F in self.factors]
+            state[MOMENTUM] = self.momentum[i]
+        # The views handed out, to tell whether the states still hold them.
+        self._views = [(s[FACTORS], s[FACTORS][:], s[MOMENTUM]) for s in states]
+
+    def viewed_by(self, states: list[dict[str, Any]]) -> bool:
+        """Whether ``states`` still hold exactly this stack's views (not another
+        bucket's, a loaded state's or a user's tensors)."""
+        return len(states) == len(self._views) and all(
+            s[FACTORS] is factors
+            and s[MOMENTUM] is momentum
+            and all(a is b for a, b in zip(factors, views, strict=True))
+            for s, (factors, views, momentum) in zip(states, self._views, strict=True)
+        )
+
+
+def bucket_stacks(
+    cache: dict[tuple[int, ...], BucketStacks], states: list[dict[str, Any]]
+) -> BucketStacks:
+    """The stacks of the bucket whose parameters' states are ``states``, kept in
+    ``cache`` from step to step; made anew (copying the states' tensors into
+    new stacks) when the bucket's members changed or a state's tensors were
+    replaced (a loaded state dict), dropping any stack that shared a member."""
+    key = tuple(id(s) for s in states)
+    stacks = cache.get(key)
+    if stacks is None or not stacks.viewed_by(states):
+        for other in [k for k in cache if not set(k).isdisjoint(key)]:
+            del cache[other]
+        stacks = cache[key] = BucketStacks(states)
+    return stacks
+
+
 def _complex_of(dtype: torch.dtype) -> torch.dtype:
     """The complex dtype of at least ``dtype``'s precision (complex64 at least)."""
     if dtype in (torch.float64, torch.complex128):

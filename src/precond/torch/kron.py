@@ -42,6 +42,8 @@ from precond.torch._kron_state import (
     MOMENTUM,
     STEP,
     UPDATE_COUNTER,
+    BucketStacks,
+    bucket_stacks,
     buckets,
     cache_layout,
     cost,
@@ -302,11 +304,13 @@ class Kron(CheckedOptimizer):
         self.strategy = strategy or Replicated()
         self.compile_kernels = compile_kernels
         self._update_factors = _factor_update(compile_kernels)
+        self._stacks: dict[tuple[int, ...], BucketStacks] = {}  # per bucket
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._update_factors = _factor_update(self.compile_kernels)
+        self._stacks = {}
 
     def _check_param_group(self, group: dict[str, Any]) -> None:
         check_arguments(group, GROUP_ARGUMENTS)
@@ -512,28 +516,28 @@ class Kron(CheckedOptimizer):
         the whole gradients by parameter index."""
         group = bucket[0][0]
         states = [self._init_state(p, g) for g, p, _ in bucket]
+        stacks = bucket_stacks(self._stacks, states)
         shape, _ = factor_plan(bucket[0][1].shape, group)
-        dtype = torch.promote_types(states[0][FACTORS][0].dtype, torch.float32)
+        dtype = torch.promote_types(stacks.factors[0].dtype, torch.float32)
         with profiled_stage("precond/kron/momentum"):
-            mu_hat = _momentum_step(bucket, states, shape, dtype, grads)
-        stored_factors = [
-            torch.stack([s[FACTORS][axis] for s in states]).to(dtype)
-            for axis in range(len(shape))
-        ]
+            mu_hat = _momentum_step(
+                bucket, states, stacks.momentum, shape, dtype, grads
+            )
+        stored_factors = [F.to(dtype) for F in stacks.factors]
         if _update_due(bucket, states, draws):
             with profiled_stage("precond/kron/update_factors"):
                 stored_factors = self._fit(
-                    bucket, states, stored_factors, mu_hat, draws, grads
+                    bucket, states, stacks, stored_factors, mu_hat, draws, grads
                 )
         with profiled_stage("precond/kron/precondition"):
             U = _preconditioned(stored_factors, mu_hat, group)
         for (_, p, index), u in zip(bucket, U, strict=True):
             updates[index] = u.reshape(p.shape)
 
-    def _fit(self, bucket, states, stored_factors, mu_hat, draws, grads) -> list:
+    def _fit(self, bucket, states, stacks, stored_factors, mu_hat, draws, grads):
         """One factor fit of a bucket (with its balancing and noise draws); a
         stack entry whose fit overflows keeps its old factors. Returns the new
-        state arrays, also written into ``states``."""
+        state arrays, also written into the bucket's ``stacks``."""
         group = bucket[0][0]
         cache, style = cache_layout(group), group["preconditioner_update_style"]
         factors = [factor_of(F, cache, style) for F in stored_factors]
@@ -554,9 +558,9 @@ class Kron(CheckedOptimizer):
             factors, lipschitz = _fit_gen2(
                 group, states, factors, target, noise, mu_hat
             )
-        factor_dtype = states[0][FACTORS][0].dtype
+        factor_dtype = stacks.factors[0].dtype
         new = [stored(Q, cache, factor_dtype).to(mu_hat.dtype) for Q in factors]
-        return _keep_finite_fits(states, new, stored_factors, lipschitz)
+        return _keep_finite_fits(states, stacks, new, stored_factors, lipschitz)
 
     def _seeded_randomness(self, bucket, states, factors, mu_hat):
         """(factors, V) of a seeded fit: the factors balanced when the step's
@@ -594,31 +598,33 @@ def _stacked(tensors, dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 def _momentum_step(
-    bucket, states, shape, dtype: torch.dtype, all_grads: dict[int, torch.Tensor]
+    bucket,
+    states,
+    momenta: torch.Tensor,
+    shape,
+    dtype: torch.dtype,
+    all_grads: dict[int, torch.Tensor],
 ) -> torch.Tensor:
-    """Counts the step and updates the momenta, m ← β₁m + (1−β₁)g; returns the
-    stack of m̂ = m/(1−β₁ⁿ) (of g when β₁ = 0) in ``dtype`` and ``shape``. With
-    ``store_debiased_momentum`` (kron-torch 0.1.0), m ← m̂."""
+    """Counts the step and updates the bucket's stack of momenta,
+    m ← β₁m + (1−β₁)g; returns the stack of m̂ = m/(1−β₁ⁿ) (of g when β₁ = 0) in
+    ``dtype`` and ``shape``. With ``store_debiased_momentum`` (kron-torch
+    0.1.0), m ← m̂."""
     group = bucket[0][0]
     b1 = group["b1"]
     for state in states:
         state[STEP] += 1
-    grads = [all_grads[index] for _, _, index in bucket]
-    momenta = [s[MOMENTUM] for s in states]
-    # Public torch API that torch's stubs leave out of __all__.
-    torch._foreach_lerp_(  # pyright: ignore[reportPrivateImportUsage]
-        momenta,
-        [g.to(m.dtype) for g, m in zip(grads, momenta, strict=True)],
-        1 - b1,
+    grads = _stacked(
+        [all_grads[index] for _, _, index in bucket], momenta.dtype, momenta.shape[1:]
     )
-    correction = 1 - b1 ** states[0][STEP]
+    momenta.lerp_(grads, 1 - b1)
+    stacked_shape = (len(bucket), *shape)
     if b1 > 0:
-        mu_hat = _stacked(momenta, dtype, shape) / correction
+        correction = 1 - b1 ** states[0][STEP]
+        mu_hat = momenta.reshape(stacked_shape).to(dtype) / correction
     else:
-        mu_hat = _stacked(grads, dtype, shape)
+        mu_hat = grads.reshape(stacked_shape).to(dtype)
     if group["store_debiased_momentum"]:
-        for m, m_hat in zip(momenta, mu_hat, strict=True):
-            m.copy_(m_hat.reshape(m.shape))
+        momenta.copy_(mu_hat.reshape(momenta.shape))
     return mu_hat
 
 
@@ -680,10 +686,11 @@ def _fit_gen2(group, states, factors, target, noise, mu_hat):
     )
 
 
-def _keep_finite_fits(states, new, old, lipschitz) -> list[torch.Tensor]:
+def _keep_finite_fits(states, stacks, new, old, lipschitz) -> list[torch.Tensor]:
     """The fitted state arrays, but for a stack entry whose fit overflowed (a
     usable but large gradient met by large factors), which keeps its old ones:
-    decided on the device, without a host sync. Written into ``states``."""
+    decided on the device, without a host sync. Written into the bucket's
+    ``stacks`` (the factors) and ``states`` (the Lipschitz estimates)."""
     fitted = torch.stack(
         [torch.isfinite(F).reshape(F.shape[0], -1).all(dim=1) for F in new + lipschitz]
     ).all(dim=0)
@@ -695,8 +702,8 @@ def _keep_finite_fits(states, new, old, lipschitz) -> list[torch.Tensor]:
         for axis, L in enumerate(lipschitz):
             estimate = state[LIPSCHITZ][axis]
             estimate.copy_(torch.where(fitted[i], L[i], estimate))
-        for axis, F in enumerate(kept):
-            state[FACTORS][axis].copy_(F[i])
+    for stack, F in zip(stacks.factors, kept, strict=True):
+        stack.copy_(F)
     return kept
 
 
