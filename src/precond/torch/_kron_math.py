@@ -66,13 +66,18 @@ def is_diagonal(factor: torch.Tensor) -> bool:
 def _rows(X: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Size]:
     """X with tensor axis ``axis`` (0-based, after the stack axis) last, as
     (B, N, d) rows, and the moved shape to undo it."""
-    moved = X.movedim(axis + 1, -1)
+    # The no-op moves and reshapes are skipped: each would still be dispatched.
+    last = axis == X.ndim - 2
+    moved = X if last else X.movedim(axis + 1, -1)
+    if moved.ndim == 3:
+        return moved, moved.shape
     return moved.reshape(X.shape[0], -1, moved.shape[-1]), moved.shape
 
 
 def _unrows(rows: torch.Tensor, moved_shape, axis: int) -> torch.Tensor:
     shape = (*moved_shape[:-1], rows.shape[-1])
-    return rows.reshape(shape).movedim(-1, axis + 1)
+    unrolled = rows if rows.shape == shape else rows.reshape(shape)
+    return unrolled if axis == unrolled.ndim - 2 else unrolled.movedim(-1, axis + 1)
 
 
 def _along(vector: torch.Tensor, X: torch.Tensor, axis: int) -> torch.Tensor:

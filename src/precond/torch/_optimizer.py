@@ -5,7 +5,7 @@ integers, the learning-rate check, copies and pickling, checked param groups."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -69,13 +69,25 @@ def skipped_for_unusable_gradients(
     return True
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without dispatching a no-op when ``t`` already has it (a
+    step does this for every parameter, where the dispatch costs more than the
+    check)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def as_shape(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t.reshape(shape)``, without dispatching a no-op when ``t`` has it."""
+    return t if t.shape == shape else t.reshape(shape)
+
+
 def _working_view(g: torch.Tensor) -> torch.Tensor:
     """``g`` flattened in its working precision (float32, or float64 for float64
     and complex128), complex entries as (real, imaginary) pairs."""
     if g.is_complex():
         wide = g.dtype == torch.complex128
         return torch.view_as_real(g if wide else g.to(torch.complex64)).reshape(-1)
-    return (g if g.dtype == torch.float64 else g.to(torch.float32)).reshape(-1)
+    return (g if g.dtype == torch.float64 else as_dtype(g, torch.float32)).reshape(-1)
 
 
 def gradients_are_usable(grads: list[torch.Tensor]) -> bool:

@@ -58,6 +58,8 @@ from precond.torch._kron_state import (
 )
 from precond.torch._optimizer import (
     CheckedOptimizer,
+    as_dtype,
+    as_shape,
     check_arguments,
     check_lr,
     closure_loss,
@@ -376,7 +378,7 @@ class Kron(CheckedOptimizer):
         if decay != 0:
             steps = torch._foreach_add(  # pyright: ignore[reportPrivateImportUsage]
                 steps,
-                [full_value(p).to(u.dtype) for (_, p, u) in members],
+                [as_dtype(full_value(p), u.dtype) for (_, p, u) in members],
                 alpha=decay,
             )
         torch.nn.utils.clip_grad_norm_(steps, self._parameter_count() ** 0.5)
@@ -523,7 +525,7 @@ class Kron(CheckedOptimizer):
             mu_hat = _momentum_step(
                 bucket, states, stacks.momentum, shape, dtype, grads
             )
-        stored_factors = [F.to(dtype) for F in stacks.factors]
+        stored_factors = [as_dtype(F, dtype) for F in stacks.factors]
         if _update_due(bucket, states, draws):
             with profiled_stage("precond/kron/update_factors"):
                 stored_factors = self._fit(
@@ -532,7 +534,7 @@ class Kron(CheckedOptimizer):
         with profiled_stage("precond/kron/precondition"):
             U = _preconditioned(stored_factors, mu_hat, group)
         for (_, p, index), u in zip(bucket, U, strict=True):
-            updates[index] = u.reshape(p.shape)
+            updates[index] = as_shape(u, p.shape)
 
     def _fit(self, bucket, states, stacks, stored_factors, mu_hat, draws, grads):
         """One factor fit of a bucket (with its balancing and noise draws); a
@@ -585,7 +587,7 @@ def _foreach_add_to_params(members, steps, alpha: float) -> None:
     torch._foreach_add_(  # pyright: ignore[reportPrivateImportUsage]
         [local_value(p) for _, p, _ in members],
         [
-            local_part(p, u).to(p.dtype)
+            as_dtype(local_part(p, u), p.dtype)
             for (_, p, _), u in zip(members, steps, strict=True)
         ],
         alpha=alpha,
@@ -594,7 +596,7 @@ def _foreach_add_to_params(members, steps, alpha: float) -> None:
 
 def _stacked(tensors, dtype: torch.dtype, shape) -> torch.Tensor:
     """The tensors in ``dtype``, each reshaped to ``shape``, stacked: (B, *shape)."""
-    return torch.stack([t.to(dtype).reshape(shape) for t in tensors])
+    return torch.stack([as_shape(as_dtype(t, dtype), shape) for t in tensors])
 
 
 def _momentum_step(
@@ -620,9 +622,9 @@ def _momentum_step(
     stacked_shape = (len(bucket), *shape)
     if b1 > 0:
         correction = 1 - b1 ** states[0][STEP]
-        mu_hat = momenta.reshape(stacked_shape).to(dtype) / correction
+        mu_hat = as_dtype(as_shape(momenta, stacked_shape), dtype) / correction
     else:
-        mu_hat = grads.reshape(stacked_shape).to(dtype)
+        mu_hat = as_dtype(as_shape(grads, stacked_shape), dtype)
     if group["store_debiased_momentum"]:
         momenta.copy_(mu_hat.reshape(momenta.shape))
     return mu_hat
