@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import defaultdict
 from typing import Any
 
@@ -71,6 +72,8 @@ _PLAN_OPTIONS = (
     "target_merged_dim_size",
 )
 
+_plan_options = operator.itemgetter(*_PLAN_OPTIONS)
+
 
 def factor_plan(
     shape: tuple[int, ...], group: dict[str, Any]
@@ -89,7 +92,7 @@ def factor_plan(
     exist only here, as precond.jax.kron plans as distributed-kron, which has
     none of them. No blocking: every axis stays whole. A plan is made once per
     shape and options (a step asks for each parameter's several times)."""
-    return _planned(tuple(shape), *(group[name] for name in _PLAN_OPTIONS))
+    return _planned(tuple(shape), *_plan_options(group))
 
 
 @functools.lru_cache(maxsize=1024)
