@@ -439,8 +439,9 @@ def report(res: dict[str, Any]) -> str:
     out += [
         "## 5. Where the time goes (eager, `torch.profiler`)\n",
         "One profiled step of each kind (after two unprofiled ones); self CPU time "
-        "per operator, top operators. `aten::cat` is `torch.stack` (the step stacks "
-        "every bucket's momenta and factors into batches each step).\n",
+        "per operator, top operators. `aten::cat` is `torch.stack`: each step stacks "
+        "every bucket's gradients into one batch (its factors and momenta are kept "
+        "in stacks; before `56c3e87` they were stacked, copied, every step too).\n",
     ]
     for label, p in prof.items():
         out += [
