@@ -33,7 +33,9 @@ For ``torch-kron`` a second table gives each side's time per step in matrix
 products and triangular solves (their operators' self time under
 ``torch.profiler``, one window after the timed rounds), and that time for
 precond over the original's whole step: the ratio precond would reach if the
-rest of its step took no time.
+rest of its step took no time; and the operators each side dispatches per step
+(top-level ``aten::`` calls in the same window), the count that fixes the
+per-operator overhead of small models.
 
 For ``shampoo`` a second table gives the floor of Google's algorithm on these
 blocks (``benchmarks/_shampoo_floor.py``): the time of its matrix products
@@ -347,13 +349,17 @@ MATMUL_OPERATORS = frozenset(
 )
 
 
-def torch_matmul_ms(runs: dict[str, Callable], window: int) -> dict[str, float]:
-    """Per optimizer, the milliseconds per step that its matmuls and triangular
-    solves take (their operators' self CPU time under ``torch.profiler``, over
-    one window): a floor under its step time, whatever the rest costs."""
+def torch_step_profile(
+    runs: dict[str, Callable], window: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per optimizer, over one window under ``torch.profiler``: the milliseconds
+    per step that its matmuls and triangular solves take (their operators' self
+    CPU time), a floor under its step time whatever the rest costs; and the
+    operators it dispatches per step from Python (``aten::`` calls not made by
+    another ``aten::`` call), each a fixed cost however small its tensors."""
     from torch.profiler import profile
 
-    floors = {}
+    floors, dispatches = {}, {}
     for name, run in runs.items():
         with profile() as prof:
             run(window)
@@ -363,7 +369,17 @@ def torch_matmul_ms(runs: dict[str, Callable], window: int) -> dict[str, float]:
             if event.key in MATMUL_OPERATORS
         )
         floors[name] = self_us / 1e3 / window
-    return floors
+        dispatches[name] = (
+            sum(
+                event.name.startswith("aten::")
+                and not (
+                    event.cpu_parent and event.cpu_parent.name.startswith("aten::")
+                )
+                for event in prof.events()
+            )
+            / window
+        )
+    return floors, dispatches
 
 
 @functools.cache
@@ -418,7 +434,9 @@ def main(argv=None) -> int:
         runs = {name: start() for name, start in make().items()}
         result = measure_pair(runs, window, rounds)
         if pair.startswith("torch-kron"):
-            result["matmul_ms"] = torch_matmul_ms(runs, window)
+            result["matmul_ms"], result["ops_per_step"] = torch_step_profile(
+                runs, window
+            )
         if pair == "shampoo":
             result["floor_ms"] = shampoo_floor_of_step(model, value)
         ms = result["ms"]
@@ -447,15 +465,16 @@ def print_matmul_floors(rows: list[dict]) -> None:
     print()
     print(
         "| pair | model | setting | precond matmul ms | original matmul ms "
-        "| precond matmul / original step |"
+        "| precond matmul / original step | precond ops/step | original ops/step |"
     )
-    print("|---|---|---|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        floor = row["matmul_ms"]
+        floor, ops = row["matmul_ms"], row["ops_per_step"]
         print(
             f"| {row['pair']} | {row['model']} | {row['setting']} | "
             f"{floor['precond']:.2f} | {floor['original']:.2f} | "
-            f"{floor['precond'] / row['ms']['original']:.2f} |",
+            f"{floor['precond'] / row['ms']['original']:.2f} | "
+            f"{ops['precond']:.0f} | {ops['original']:.0f} |",
             flush=True,
         )
 
