@@ -4,8 +4,10 @@ The same generation-1 algorithm as :func:`precond.jax.kron` (kernels in
 ``precond.torch._kron_math``): each parameter's preconditioner is
 P = ⊗_i Q_iᵀQ_i, one triangular or diagonal factor per axis, fitted online so
 that P·m̂ is whitened (Li 2018, arXiv:1809.10232; Li 2024, arXiv:2402.11858).
-Parameters of equal shape and factor structure are stacked so that one batched
-call fits or applies all of their factors.
+Parameters of equal shape and factor structure form a bucket whose factors and
+momenta are kept in (B, ...) stacks (``_kron_state.BucketStacks``; each
+parameter's ``state`` entries are views of them), so that one batched call fits
+or applies all of their factors without copying them into a batch each step.
 """
 
 from __future__ import annotations
