@@ -278,6 +278,35 @@ def test_bucket_stacks_step_as_states_restacked_every_step():
         _assert_entry_equal(optimizer.state[p], oracle.state[q])
 
 
+def test_norm_and_value_clamps_entries_without_global_rescaling():
+    """'norm_and_value' (kron-torch 0.1.0's default) moves θ by −lr·clamp(U + λθ,
+    −1, 1) and nothing else, even when ‖U + λθ‖ is 3× the √(number of
+    parameters) that kron-torch's ``clip_grad_norm_`` call names: that call
+    scales ``.grad``, which updates lack (checked below), so kron-torch never
+    rescales, and neither does precond. Oracle: the formula on the first step,
+    which has no fit (P = I) and, with β₁ = 0, U = g exactly."""
+    shapes = [(6, 5), (7,)]
+    params = make_params(shapes, dtype=torch.float32)
+    start = [p.detach().clone() for p in params]
+    grads = [3 * g for g in gradients(shapes, 1, dtype=torch.float32)[0]]
+    lr, decay = 0.1, 0.5
+    optimizer = _Kron(
+        params, lr=lr, b1=0.0, weight_decay=decay, preconditioner_update_probability=0.5
+    )
+    run(optimizer, params, [grads])
+    steps = [g + decay * p for g, p in zip(grads, start, strict=True)]
+    count = sum(p.numel() for p in params)
+    assert torch.linalg.vector_norm(torch.cat([u.flatten() for u in steps])) > (
+        2 * count**0.5
+    )
+    for p, p0, u in zip(params, start, steps, strict=True):
+        torch.testing.assert_close(p, p0 - lr * u.clamp(-1, 1), rtol=0, atol=1e-7)
+    # The premise: clip_grad_norm_ leaves tensors without a .grad as they are.
+    update = steps[0].clone()
+    torch.nn.utils.clip_grad_norm_([update], 1.0)
+    assert torch.equal(update, steps[0])
+
+
 def test_sparse_gradient_is_refused():
     embedding = torch.nn.Embedding(10, 3, sparse=True)
     optimizer = Kron(embedding.parameters())

@@ -118,7 +118,9 @@ CASES = {
     # a tall matrix whose long axis the skew rule makes diagonal.
     "shapes": ([(), (3,), (12,), (5, 4), (3, 4, 2), (40, 3)], {}),
     # Weight decay on every parameter, 1-D and scalars included; λ = 2 makes
-    # the global norm clip and the [-1, 1] clamp both act.
+    # the [-1, 1] clamp act and the updates' global norm exceed √(number of
+    # parameters), where kron-torch's clip_grad_norm_ call, a no-op on tensors
+    # without a .grad, would rescale them if it acted.
     "weight_decay": ([(), (3,), (12,), (5, 4), (3, 4, 2)], dict(weight_decay=2.0)),
     # A constant probability: Bernoulli decisions from the global generator.
     "probability_half": (

@@ -162,9 +162,11 @@ class Kron(CheckedOptimizer):
        their norms, draw V ~ N(0, I), and take one ``update_factors`` step on
        (m̂, V) (plus 2^-11.5·mean|m̂|·V with ``damping=True``).
     3. U = (⊗_i Q_iᴴQ_i)·m̂; then, by ``update_clipping``:
-       'norm_and_value' (kron-torch 0.1.0): per param group, the updates
-       U + λθ are scaled to a global norm of at most √(number of parameters)
-       and clamped to [−1, 1] elementwise, θ ← θ − lr·clip(U + λθ);
+       'norm_and_value' (kron-torch 0.1.0): θ ← θ − lr·clamp(U + λθ, −1, 1),
+       elementwise. (kron-torch 0.1.0 also calls ``clip_grad_norm_`` on the
+       updates, meaning to bound their global norm by √(number of
+       parameters), but that function scales tensors' ``.grad``, which the
+       updates do not have: it never scales them, and neither does precond);
        'rms' (kron-torch 0.3.3, precond.jax.kron): U ← U / max(1, RMS(U)/1.1)
        per tensor and θ ← θ − lr·(U + λθ).
 
@@ -373,9 +375,9 @@ class Kron(CheckedOptimizer):
                 self._apply_norm_and_value_clipped(members, lr, decay)
 
     def _apply_norm_and_value_clipped(self, members, lr: float, decay: float) -> None:
-        """kron-torch 0.1.0: the updates U + λθ of a group scaled to a global norm
-        of at most √(number of parameters), each entry clamped to [-1, 1] (on the
-        whole tensors: a DTensor θ is gathered for the decay term)."""
+        """kron-torch 0.1.0's rule as it runs: each entry of the updates U + λθ
+        clamped to [-1, 1] (on the whole tensors: a DTensor θ is gathered for
+        the decay term). Its global norm clip is a no-op (class docstring)."""
         steps = [update for _, _, update in members]
         if decay != 0:
             steps = torch._foreach_add(  # pyright: ignore[reportPrivateImportUsage]
@@ -383,18 +385,11 @@ class Kron(CheckedOptimizer):
                 [as_dtype(full_value(p), u.dtype) for (_, p, u) in members],
                 alpha=decay,
             )
-        torch.nn.utils.clip_grad_norm_(steps, self._parameter_count() ** 0.5)
         # Complex entries: the real and imaginary parts each.
         real = [torch.view_as_real(u) if u.is_complex() else u for u in steps]
         torch._foreach_clamp_min_(real, -1.0)  # pyright: ignore[reportPrivateImportUsage]
         torch._foreach_clamp_max_(real, 1.0)  # pyright: ignore[reportPrivateImportUsage]
         _foreach_add_to_params(members, steps, -lr)
-
-    def _parameter_count(self) -> int:
-        """Number of trainable scalars in all groups (the clipping norm's square)."""
-        return sum(
-            p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad
-        )
 
     def _global_draws(self, entries) -> dict[int, tuple]:
         """``seed=None``: kron-torch 0.1.0's draws from torch's global generator,
