@@ -34,8 +34,9 @@ from jax import lax
 from precond.jax import distributed_shampoo
 from precond.jax._blocks import cut
 from precond.jax._shampoo_layout import _precondition_blocks, block_grams, plan_layout
-from precond.jax._shampoo_math import _matmul, _matrix_power, matrix_inverse_pth_root
+from precond.jax._shampoo_math import _matmul, _matrix_power
 from precond.jax._shampoo_state import load
+from precond.jax._shampoo_transform import _vmapped_root
 from precond.jax.shampoo import _bound_config
 
 # The Newton iteration's cap (``matrix_inverse_pth_root``'s default, Google's).
@@ -83,18 +84,7 @@ def _newton_loop(t, m, h, p: int, precision, iterations: int):
 def newton_iterations(stack, p: int, config) -> list[int]:
     """Per row of the (K, n, n) ``stack``, how many Newton steps precond's root
     runs: the fewest allowed steps that give the uncapped root, bit for bit."""
-    roots = jax.jit(
-        lambda s, cap: jax.vmap(
-            functools.partial(
-                matrix_inverse_pth_root,
-                p=p,
-                num_iters=cap,
-                ridge_epsilon=config.matrix_epsilon,
-                precision=config.precision,
-                relative_matrix_epsilon=config.relative_matrix_epsilon,
-            )
-        )(s)[0]
-    )
+    roots = jax.jit(lambda s, cap: _vmapped_root(p, config, num_iters=cap)(s)[0])
     uncapped = roots(stack, MAX_NEWTON_ITERATIONS)
     counts: list[int | None] = [None] * stack.shape[0]
     for cap in range(MAX_NEWTON_ITERATIONS + 1):

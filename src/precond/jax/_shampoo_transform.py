@@ -88,8 +88,9 @@ def _stack_roots(stack: jax.Array, p: int, config: Config):
     return roots, lax.all_gather(errors, axis, tiled=True)[:rows]
 
 
-def _vmapped_root(p: int, config: Config) -> Callable:
-    """(K, n, n) ↦ (roots, errors): the configured inverse-root kernel, vmapped."""
+def _vmapped_root(p: int, config: Config, **kernel_options) -> Callable:
+    """(K, n, n) ↦ (roots, errors): the configured inverse-root kernel, vmapped;
+    ``kernel_options`` are further arguments of the kernel (unmapped)."""
     if config.eigh:
         root = functools.partial(
             matrix_inverse_pth_root_eigh,
@@ -106,7 +107,10 @@ def _vmapped_root(p: int, config: Config) -> Callable:
         )
     return jax.vmap(
         functools.partial(
-            root, ridge_epsilon=config.matrix_epsilon, precision=config.precision
+            root,
+            ridge_epsilon=config.matrix_epsilon,
+            precision=config.precision,
+            **kernel_options,
         )
     )
 
