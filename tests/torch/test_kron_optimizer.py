@@ -29,6 +29,7 @@ from precond.jax import precond_update_prob_schedule as jax_schedule
 from precond.torch import Kron as _Kron
 from precond.torch import kron as kron_module
 from precond.torch import precond_update_prob_schedule
+from precond.torch._optimizer import finite_entries
 
 # The rules precond used before kron-torch 0.1.0's became Kron's defaults (issue
 # 18): RMS update clipping with decoupled weight decay, damping noise in the fit,
@@ -958,6 +959,42 @@ def test_fit_that_overflows_keeps_the_old_factors(style):
         torch.testing.assert_close(Q, R, rtol=1e-6, atol=0)
         assert not torch.equal(Q, kept[0] if Q.shape == kept[0].shape else kept[1])
     torch.testing.assert_close(fine, alone[0], rtol=1e-6, atol=1e-9)
+
+
+# Values placed in a stack of finite ones: three that are not finite, and finite
+# ones whose sums overflow (float32's max, 3e38) or that are edge cases.
+FINITENESS_VALUES = [math.nan, math.inf, -math.inf, 3.4e38, 3e38, -0.0, 1e-45]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.complex64], ids=str
+)
+@pytest.mark.parametrize("seed", range(8))
+def test_finite_entries_is_isfinite_of_each_stack_entry(dtype, seed):
+    """finite_entries (the fits' overflow check, Kron's and Pro's) against
+    torch.isfinite: per stack entry of a (3, 4, 3) and a (3, 5) stack, with
+    values of FINITENESS_VALUES placed at random (in a real or an imaginary
+    part), every entry's verdict is that of all its values. The first entry
+    of each stack starts with 3e38 twice: finite values whose sum overflows."""
+    generator = torch.Generator().manual_seed(seed)
+    stacks = [
+        torch.randn(shape, dtype=dtype, generator=generator)
+        for shape in [(3, 4, 3), (3, 5)]
+    ]
+    for x in stacks:
+        x.reshape(3, -1)[0, :2] = 3e38
+    for _ in range(3):
+        x = stacks[int(torch.randint(2, (), generator=generator))]
+        parts = torch.view_as_real(x) if x.is_complex() else x[..., None]
+        flat = parts.reshape(-1)
+        where = int(torch.randint(flat.numel(), (), generator=generator))
+        flat[where] = FINITENESS_VALUES[
+            int(torch.randint(len(FINITENESS_VALUES), (), generator=generator))
+        ]
+    expected = torch.stack(
+        [torch.isfinite(x).reshape(3, -1).all(dim=1) for x in stacks]
+    ).all(dim=0)
+    assert torch.equal(finite_entries(stacks), expected)
 
 
 # --- the update-probability schedule -------------------------------------------

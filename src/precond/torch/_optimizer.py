@@ -69,6 +69,18 @@ def skipped_for_unusable_gradients(
     return True
 
 
+def finite_entries(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per stack entry, whether every value of every (B, ...) tensor is finite:
+    (B,) booleans.
+
+    x·0 is 0 for a finite x and NaN for ±inf and NaN, so the sum of x·0 over an
+    entry is finite exactly when all of its values are (a sum of zeros cannot
+    overflow): two passes over each tensor, where ``torch.isfinite`` makes four
+    on a CPU (a composite of abs, ne, eq and the product of the two masks)."""
+    sums = torch.stack([(x * 0).reshape(x.shape[0], -1).sum(dim=1) for x in tensors])
+    return sums.isfinite().all(dim=0)
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, without dispatching a no-op when ``t`` already has it (a
     step does this for every parameter, where the dispatch costs more than the

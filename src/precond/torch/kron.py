@@ -66,6 +66,7 @@ from precond.torch._optimizer import (
     check_lr,
     closure_loss,
     copy_to_device,
+    finite_entries,
     gradient_entries,
     group_defaults,
     scalar,
@@ -690,9 +691,7 @@ def _keep_finite_fits(states, stacks, new, old, lipschitz) -> list[torch.Tensor]
     usable but large gradient met by large factors), which keeps its old ones:
     decided on the device, without a host sync. Written into the bucket's
     ``stacks`` (the factors) and ``states`` (the Lipschitz estimates)."""
-    fitted = torch.stack(
-        [torch.isfinite(F).reshape(F.shape[0], -1).all(dim=1) for F in new + lipschitz]
-    ).all(dim=0)
+    fitted = finite_entries(new + lipschitz)
     kept = [
         torch.where(km._expand(fitted, F), F, before)
         for F, before in zip(new, old, strict=True)

@@ -345,12 +345,7 @@ class Pro(shared.CheckedOptimizer):
             rngs,
             _draw,
         )
-        finite = torch.stack(
-            [
-                torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
-                for x in (*new_factors, *new_lipschitz)
-            ]
-        ).all(dim=0)
+        finite = shared.finite_entries([*new_factors, *new_lipschitz])
         kept_factors = [
             torch.where(km._expand(finite, new), new, old).to(old.dtype)
             for new, old in zip(new_factors, factors, strict=True)
