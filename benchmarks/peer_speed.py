@@ -37,6 +37,12 @@ rest of its step took no time; and the operators each side dispatches per step
 (top-level ``aten::`` calls in the same window), the count that fixes the
 per-operator overhead of small models.
 
+A third table gives, for ``torch-kron``, a floor under any implementation of
+kron-torch's algorithm (``benchmarks/_torch_kron_floor.py``): a program with
+only the momentum, the fit's and the preconditioning's products and the
+clamped update, on stacked state, eager and through ``torch.compile``, timed in
+the pair's rounds, over kron-torch's step.
+
 For ``shampoo`` a second table gives the floor of Google's algorithm on these
 blocks (``benchmarks/_shampoo_floor.py``): the time of its matrix products
 alone (per step: the statistics and the preconditioning; per root computation:
@@ -46,11 +52,12 @@ algorithm reaches on this machine with XLA's matrix products.
 
 Protocol: each optimizer's update (JAX: ``jax.jit`` with the state donated;
 torch: ``optimizer.step()``, the gradients set before each step) runs a fixed
-number of steps per round (20 at Kron's update probability 1, where every step fits the
-factors; 200 at 0.03, so that a round holds the fits each optimizer draws; 5
-for Shampoo's roots every step, 66 for every 33 steps), the two optimizers of a
-pair alternating round by round (``--rounds``), and the time per step is the
-median over rounds of each round's mean. The ratio precond/original is
+number of steps per round (20 at Kron's update probability 1, where every step
+fits the factors; 200 at 0.03, so that a round holds the fits each optimizer
+draws; 5 for Shampoo's roots every step, 66 for every 33 steps), the two
+optimizers of a pair (and the torch-kron pair's floors) alternating round by
+round (``--rounds``), and the time per step is the median over rounds of each
+round's mean. The ratio precond/original is
 the number issue [6 of 6] sets targets for (≤ 0.5 for Kron, ≤ 0.2 for Shampoo).
 
 The originals are the test oracles (the ``parity`` extra; distributed-kron is
@@ -195,6 +202,11 @@ def jax_kron_pair(
     }
 
 
+# The torch-kron pair's floor programs (benchmarks/_torch_kron_floor.py), timed
+# in the pair's rounds: name -> compiled.
+FLOORS = {"floor": False, "compiled floor": True}
+
+
 def _torch_kron_arguments(probability: float) -> dict[str, Any]:
     """The torch Kron pairs' shared arguments (kron-torch's names)."""
     return dict(
@@ -206,6 +218,7 @@ def _torch_kron_arguments(probability: float) -> dict[str, Any]:
 
 def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
     import torch
+    from benchmarks._torch_kron_floor import KronFloor, warmup_steps
     from tests import oracles
 
     import precond.torch as pt
@@ -218,6 +231,15 @@ def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
         "original": lambda: torch_stepper(
             lambda p: original.Kron(p, **arguments), model
         ),
+        # benchmarks/_torch_kron_floor.py: what no implementation undercuts.
+        **{
+            name: lambda compiled=compiled: torch_stepper(
+                lambda p: KronFloor(p, **arguments, compiled=compiled),
+                model,
+                warmup_steps(probability),
+            )
+            for name, compiled in FLOORS.items()
+        },
     }
 
 
@@ -435,7 +457,7 @@ def main(argv=None) -> int:
         result = measure_pair(runs, window, rounds)
         if pair.startswith("torch-kron"):
             result["matmul_ms"], result["ops_per_step"] = torch_step_profile(
-                runs, window
+                {name: runs[name] for name in ("precond", "original")}, window
             )
         if pair == "shampoo":
             result["floor_ms"] = shampoo_floor_of_step(model, value)
@@ -451,6 +473,9 @@ def main(argv=None) -> int:
     floors = [row for row in rows if "matmul_ms" in row]
     if floors:
         print_matmul_floors(floors)
+    kron_floors = [row for row in rows if "floor" in row["ms"]]
+    if kron_floors:
+        print_kron_floors(kron_floors)
     shampoo_floors = [row for row in rows if "floor_ms" in row]
     if shampoo_floors:
         print_shampoo_floors(shampoo_floors)
@@ -475,6 +500,27 @@ def print_matmul_floors(rows: list[dict]) -> None:
             f"{floor['precond']:.2f} | {floor['original']:.2f} | "
             f"{floor['precond'] / row['ms']['original']:.2f} | "
             f"{ops['precond']:.0f} | {ops['original']:.0f} |",
+            flush=True,
+        )
+
+
+def print_kron_floors(rows: list[dict]) -> None:
+    """The torch-kron pair's floor programs (benchmarks/_torch_kron_floor.py),
+    eager and compiled, over kron-torch's step: the ratio no implementation of
+    kron-torch's algorithm reaches on this machine; precond's beside them."""
+    print()
+    print(
+        "| pair | model | setting | floor ms | compiled floor ms | original ms "
+        "| floor / original | compiled floor / original | precond / original |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        ms = row["ms"]
+        eager, compiled = (ms[name] for name in FLOORS)
+        print(
+            f"| {row['pair']} | {row['model']} | {row['setting']} | {eager:.2f} | "
+            f"{compiled:.2f} | {ms['original']:.2f} | {eager / ms['original']:.2f} | "
+            f"{compiled / ms['original']:.2f} | {row['ratio']:.2f} |",
             flush=True,
         )
 
