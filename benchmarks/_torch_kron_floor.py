@@ -34,6 +34,7 @@ from collections import defaultdict
 import torch
 
 from precond.torch import Kron
+from precond.torch._kron_math import _along
 from precond.torch._kron_state import factor_plan
 
 FIT_STEP = 0.1  # c above: a constant where the algorithm computes one per fit
@@ -59,11 +60,8 @@ class _Bucket:
         self.noise = torch.randn(self.stacked_shape, generator=generator)
 
 
-def _along(vector: torch.Tensor, X: torch.Tensor, axis: int) -> torch.Tensor:
-    """A (B, d) stack of vectors shaped to broadcast along tensor axis ``axis``."""
-    shape = [X.shape[0]] + [1] * (X.ndim - 1)
-    shape[axis + 1] = vector.shape[1]
-    return vector.reshape(shape)
+# The products below are the kernels' (precond.torch._kron_math) in their
+# leanest form for 2-D stacks: one bmm or solve, no axis moves or reshapes.
 
 
 def _product(X: torch.Tensor, M: torch.Tensor, axis: int, transpose: bool):
