@@ -30,6 +30,7 @@ if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax  # noqa: E402 - after XLA_FLAGS is set
+import pytest  # noqa: E402
 
 assert jax.device_count() == 8, (
     f"expected 8 simulated CPU devices, got {jax.device_count()}: "
@@ -55,3 +56,28 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "optimized_xla: compile this test's programs with XLA's optimizations on "
+        "(for tests that run thousands of steps, where running dominates compiling)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimizations_for_long_runs(request):
+    """Tests marked ``optimized_xla`` compile with JAX_DISABLE_MOST_OPTIMIZATIONS
+    off: Shampoo's 2000-step convergence test runs in 6 s instead of 14 s. The
+    flag is read when a program is compiled, so it is set for the test and
+    restored after it."""
+    if request.node.get_closest_marker("optimized_xla") is None:
+        yield
+        return
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)

@@ -888,6 +888,7 @@ def _adam_noisy_loss(structure):
     return min(float(run(lr)) for lr in ADAM_LEARNING_RATES)
 
 
+@pytest.mark.optimized_xla
 @pytest.mark.parametrize(("name", "newton"), CASES)
 def test_beats_adam_on_noisy_ill_conditioned_quadratic(name, newton):
     """Best of a learning-rate sweep (cosine decay) against Adam's best of a wider
@@ -909,6 +910,7 @@ def test_beats_adam_on_noisy_ill_conditioned_quadratic(name, newton):
     assert best < adam, (finals, adam)
 
 
+@pytest.mark.optimized_xla
 @pytest.mark.parametrize(("name", "newton"), CASES)
 def test_converges_on_deterministic_ill_conditioned_quadratic(name, newton):
     """1e-4 of the initial loss within 2000 steps, for one rate of the sweep."""
@@ -922,6 +924,7 @@ def test_converges_on_deterministic_ill_conditioned_quadratic(name, newton):
     pytest.fail(f"no learning rate reached 1e-4 of the initial loss: {finals}")
 
 
+@pytest.mark.optimized_xla
 @pytest.mark.parametrize(("name", "newton"), CASES)
 def test_converges_on_rosenbrock(name, newton):
     """Within 1e-3 of (1, 1) from (−1.5, 2) in 2000 steps, for one rate of a

@@ -76,6 +76,7 @@ def _shampoo(graft, learning_rate, **kwargs):
 GRAFTS = [pj.GraftingType.SGD, pj.GraftingType.RMSPROP_NORMALIZED]
 
 
+@pytest.mark.optimized_xla
 @pytest.mark.parametrize("graft", GRAFTS, ids=lambda g: g.name)
 def test_beats_adam_on_noisy_ill_conditioned_quadratic(graft):
     """½ tr(XᵀAXB) with rotated A, B (condition 1e3, 1e2) and curvature-shaped
@@ -94,6 +95,7 @@ def test_beats_adam_on_noisy_ill_conditioned_quadratic(graft):
     assert best < adam, (finals, adam)
 
 
+@pytest.mark.optimized_xla
 def test_converges_on_deterministic_ill_conditioned_quadratic_with_sgd_grafting():
     """1e-4 of the initial loss within 2000 steps. (RMSProp-normalized grafting at
     0.03, the same run, is the contract table's Shampoo row: test_optax_contract.)"""
