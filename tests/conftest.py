@@ -11,9 +11,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # with its optimizations off (the whole suite: 9% less time). The properties
 # tested (float64 references, identities, sharded == unsharded, resume ==
 # uninterrupted) do not depend on them. Set in the environment, so the
-# processes the tests start inherit it. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs
-# the suite fully optimized; `.ci/run`'s bench runs compile every optimizer as
-# a user's program does.
+# processes the tests start inherit it. Tests marked `optimized_xla`, which run
+# thousands of steps, turn them back on (_xla_optimizations_for_long_runs).
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimized; `.ci/run`'s
+# bench runs compile every optimizer as a user's program does.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA:CPU's older elemental emitter compiles the suite's small programs about
 # twice as fast as its fusion emitters (Kron's update of three small leaves:
@@ -56,14 +57,6 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "optimized_xla: compile this test's programs with XLA's optimizations on "
-        "(for tests that run thousands of steps, where running dominates compiling)",
-    )
 
 
 @pytest.fixture(autouse=True)

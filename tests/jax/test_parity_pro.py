@@ -120,17 +120,39 @@ def _relative(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+def _step_norms(run, name) -> np.ndarray:
+    """‖u_t‖ of leaf ``name`` for each step t of ``run`` (a list of updates)."""
+    return np.array([np.linalg.norm(np.asarray(u[name], np.float64)) for u in run])
+
+
+def _worst_step_error(ours, theirs) -> float:
+    """max over steps t and leaves of ‖u_t − v_t‖ / RMS_s ‖v_s‖: each step's
+    difference against the size of that leaf's updates over the run. Not against
+    ‖v_t‖ alone: an update that cancels to near zero on one step (the scalar's at
+    step 83 of 'rebalanced': 3.9e-7, where its others are ≥ 7.7e-6) turns a
+    float32 rounding of its terms into a large relative error (2.4e-4 with XLA's
+    optimizations on, whose fusions round the two programs differently)."""
+    differences = [
+        {
+            name: np.asarray(u[name], np.float64) - np.asarray(v[name], np.float64)
+            for name in SHAPES
+        }
+        for u, v in zip(ours, theirs, strict=True)
+    ]
+    return max(
+        _step_norms(differences, name).max()
+        / max(np.sqrt(np.mean(_step_norms(theirs, name) ** 2)), 1e-30)
+        for name in SHAPES
+    )
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_trajectory_matches_distributed_kron_2(dk2, case, capsys):
     _, kwargs, steps = case
     ours, our_params = _run(pj.pro(**kwargs), steps)
     theirs, their_params = _run(dk2.pro(**kwargs), steps)
     capsys.readouterr()  # the oracle prints its layout at init
-    worst = max(
-        _relative(u[name], v[name])
-        for u, v in zip(ours, theirs, strict=True)
-        for name in SHAPES
-    )
+    worst = _worst_step_error(ours, theirs)
     assert worst <= 1e-5, worst
     for name in SHAPES:
         assert _relative(our_params[name], their_params[name]) <= 1e-5, name
