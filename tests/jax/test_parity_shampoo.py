@@ -293,6 +293,7 @@ def test_trajectories_match_optax_shampoo_0_0_6(google, case):
     theirs = _trajectory(google.distributed_shampoo(**kwargs))
     ours = _trajectory(ps.distributed_shampoo(**kwargs, **ours_only))
     worst = _relative_difference(ours, theirs)
+    print(f"{case[0]}: worst relative difference {worst:.2e}")
     assert worst <= 1e-5, worst
 
 
