@@ -72,15 +72,23 @@ def _shampoo(graft, quantised):
 
 
 # name ↦ (learning rate ↦ optimizer): every public JAX optimizer and variant, for
-# the tables that run over all of them (robustness, checkpoints). Kron, XMat,
-# LRA and Affine update their preconditioner at random steps (probability
-# 0.5); Shampoo preconditions from step 2 on blocks of 4.
+# the tables that run over all of them (robustness, checkpoints): Kron in every
+# update style (EQ in every cache), pro (distributed-kron 2.0.0's), XMat, LRA,
+# Affine, and Shampoo in every grafting type. Kron, pro, XMat, LRA and Affine
+# update their preconditioner at random steps (probability 0.5); Shampoo
+# preconditions from step 2 on blocks of 4.
 EVERY_OPTIMIZER = {
     "kron-EQ-packed": _kron("EQ"),
     "kron-EQ-dense": _kron("EQ", "dense"),
     "kron-EQ-none": _kron("EQ", None),
     "kron-QUAD": _kron("QUAD"),
     "kron-PRO": _kron("PRO"),
+    "kron-QEQ": _kron("QEQ"),
+    # lr_style='adam' divides pro's step by 5 (AdamW's rates carry over): 5·lr
+    # takes Kron's step at lr. No weight decay, as the others (pro's default is 0.1).
+    "pro": lambda lr: pj.pro(
+        5 * lr, weight_decay=0.0, preconditioner_update_probability=0.5
+    ),
     "xmat": lambda lr: pj.xmat(lr, preconditioner_update_probability=0.5),
     "lra": lambda lr: pj.low_rank_approximation(
         lr, preconditioner_update_probability=0.5

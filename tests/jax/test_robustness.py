@@ -142,6 +142,43 @@ def test_mixed_magnitudes_in_one_tensor_are_refused_as_one_bad_step():
         jax.tree.map(np.testing.assert_array_equal, new_state, state)
 
 
+# With weight decay λ: the PSGD optimizers' decay is an optax step after their
+# preconditioner, so a skipped step still decays (−lr·λ·θ, as torch Kron does);
+# Shampoo's decay is part of Google's update, so its skipped step is zero.
+DECAYING = {
+    "kron": (lambda: pj.kron(LEARNING_RATE, weight_decay=0.1), True),
+    "pro": (lambda: pj.pro(LEARNING_RATE, weight_decay=0.1), True),
+    "xmat": (lambda: pj.xmat(LEARNING_RATE, weight_decay=0.1), True),
+    "lra": (lambda: pj.low_rank_approximation(LEARNING_RATE, weight_decay=0.1), True),
+    "affine": (lambda: pj.affine(LEARNING_RATE, weight_decay=0.1), True),
+    **{
+        f"shampoo-{'decoupled' if decoupled else 'coupled'}": (
+            lambda decoupled=decoupled: pj.distributed_shampoo(
+                LEARNING_RATE, 4, weight_decay=0.1, decoupled_weight_decay=decoupled
+            ),
+            False,
+        )
+        for decoupled in (False, True)
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(DECAYING))
+def test_a_skipped_step_applies_only_the_weight_decay_where_it_follows(name):
+    """A NaN gradient with weight decay 0.1: the update is −lr·λ·θ for the
+    PSGD optimizers and zero for Shampoo; the state is unchanged either way."""
+    make, decays = DECAYING[name]
+    optimizer = make()
+    params = {"w": TARGET["w"], "b": TARGET["b"]}
+    state = optimizer.init(params)
+    grads = {"w": TARGET["w"].at[0, 0].set(jnp.nan), "b": TARGET["b"]}
+    updates, new_state = jax.jit(optimizer.update)(grads, state, params)
+    for key in params:
+        want = -LEARNING_RATE * 0.1 * params[key] if decays else 0.0
+        np.testing.assert_allclose(updates[key], want, rtol=1e-6, err_msg=key)
+    jax.tree.map(np.testing.assert_array_equal, new_state, state)
+
+
 @functools.cache
 def _quiet_then_normal(name, dtype):
     """A jitted scale ↦ (losses, finite): 30 steps whose gradient is

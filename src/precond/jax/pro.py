@@ -61,7 +61,11 @@ from precond.jax import _kron_math as km
 from precond.jax import _normal_draws
 from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
 from precond.jax._blocks import cut, join
-from precond.jax._guards import check_parameter_dtypes, is_params_placeholder
+from precond.jax._guards import (
+    check_parameter_dtypes,
+    check_state_matches,
+    is_params_placeholder,
+)
 from precond.jax._kron_arguments import check_partition_specs_tree
 from precond.jax._kron_sharding import is_box
 from precond.jax._psgd_transform import arguments_for, with_auto_axes
@@ -538,10 +542,15 @@ def _init(params, *, recipe: _Recipe) -> ProState:
 
 
 def _update(updates, state: ProState, params=None, *, recipe: _Recipe, **extra_args):
-    """scale_by_pro's update. On a mesh with Explicit axes the step runs under
-    auto_axes (its reshapes of sharded leaves need it), its outputs sharded as
-    its inputs."""
-    del params, extra_args
+    """scale_by_pro's update. A state that ``init`` would not make for these
+    parameters (another model's) is refused with a ValueError naming the leaf.
+    On a mesh with Explicit axes the step runs under auto_axes (its reshapes of
+    sharded leaves need it), its outputs sharded as its inputs."""
+    del extra_args
+    check_state_matches(
+        state, functools.partial(_init, recipe=recipe), params, updates, "PSGD pro"
+    )
+    del params
     grads, treedef, boxes = _unboxed(updates)
     plan = _plan_for(grads, treedef, recipe)
     out, new_state = with_auto_axes(
