@@ -84,8 +84,9 @@ EVERY_OPTIMIZER = {
     "kron-QUAD": _kron("QUAD"),
     "kron-PRO": _kron("PRO"),
     "kron-QEQ": _kron("QEQ"),
-    # lr_style='adam' divides pro's step by 5 (AdamW's rates carry over): 5·lr
-    # takes Kron's step at lr. No weight decay, as the others (pro's default is 0.1).
+    # lr_style='adam' divides pro's step by 5 (so that AdamW's rates carry over);
+    # 5·lr undoes it (at 0.01 pro kept 0.77 of the robustness quadratic's loss
+    # after 50 steps). No weight decay, as the others (pro's default is 0.1).
     "pro": lambda lr: pj.pro(
         5 * lr, weight_decay=0.0, preconditioner_update_probability=0.5
     ),
