@@ -59,6 +59,10 @@ optimizers of a pair (and the torch-kron pair's floors) alternating round by
 round (``--rounds``), and the time per step is the median over rounds of each
 round's mean. The ratio precond/original is
 the number issue [6 of 6] sets targets for (≤ 0.5 for Kron, ≤ 0.2 for Shampoo).
+Before any pair, the process allocates and frees one 16 MiB block
+(:func:`settle_allocator`), so that glibc's malloc keeps the steps' temporaries
+on its heap whatever ran before; the torch pairs' minor page faults per step
+are printed last, to show that no step paid them.
 
 The originals are the test oracles (the ``parity`` extra; distributed-kron is
 imported as ``tests/oracles.py`` does); HeavyBall comes with the ``peers`` extra.
@@ -80,6 +84,7 @@ import json
 import math
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -341,21 +346,57 @@ def cases(pairs, models) -> list[tuple[str, str, str, Any, int, Callable]]:
 # ------------------------------------------------------------------- protocol
 
 
+def _minor_page_faults() -> int:
+    """The process's minor page faults so far: each is a fresh page of memory
+    the OS maps in (and zeroes) when it is first touched."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# A block as large as a small training step's activations: once freed, glibc's
+# malloc keeps up to twice its size of freed memory on its heap (see
+# settle_allocator).
+SETTLING_BLOCK_BYTES = 16 * 2**20
+
+
+def settle_allocator() -> None:
+    """Allocates and frees one 16 MiB block, as a training loop's backward pass
+    frees its activations, so that every optimizer is measured in the same
+    allocator state, whatever ran before in this process.
+
+    glibc's malloc returns freed memory at the top of its heap to the OS once it
+    exceeds twice the largest block freed so far, and gets it back at the next
+    step page by page (each a minor page fault, the page zeroed by the OS). In a
+    fresh process that threshold is small: a step whose temporaries exceed it
+    then faults on every step, which precond's stacked temporaries did on the
+    char-lm when it ran alone, and did not after the digits-mlp's pairs
+    (BENCHMARKS.md, "torch Kron: page faults"). Other allocators ignore this."""
+    import torch
+
+    torch.ones(SETTLING_BLOCK_BYTES // 4)  # freed at once
+
+
 def measure_pair(runs: dict[str, Callable], window: int, rounds: int) -> dict:
     """Median over ``rounds`` of each round's mean seconds per step, the
-    optimizers alternating round by round (the first one alternating too)."""
+    optimizers alternating round by round (the first one alternating too); and
+    the median of each round's minor page faults per step."""
     per_round: dict[str, list[float]] = {name: [] for name in runs}
+    faults: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
+            faults_before = _minor_page_faults()
             start = time.perf_counter()
             runs[name](window)
             per_round[name].append((time.perf_counter() - start) / window)
+            faults[name].append((_minor_page_faults() - faults_before) / window)
     medians = {name: statistics.median(t) for name, t in per_round.items()}
     return {
         "ms": {name: 1e3 * s for name, s in medians.items()},
         "ratio": medians["precond"] / medians["original"],
         "spread": {name: [1e3 * min(t), 1e3 * max(t)] for name, t in per_round.items()},
+        "page_faults_per_step": {
+            name: statistics.median(f) for name, f in faults.items()
+        },
     }
 
 
@@ -446,6 +487,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(pairs) - set(PAIRS))
     if unknown:
         raise SystemExit(f"unknown --pairs {unknown}: choose from {PAIRS}")
+    settle_allocator()
     info = machine_info() | {"torch": torch.__version__, "rounds": rounds}
     print(json.dumps(info, indent=1))
     print("| pair | model | setting | precond ms | original ms | precond / original |")
@@ -476,6 +518,9 @@ def main(argv=None) -> int:
     kron_floors = [row for row in rows if "floor" in row["ms"]]
     if kron_floors:
         print_kron_floors(kron_floors)
+    torch_rows = [row for row in rows if row["pair"].startswith("torch-kron")]
+    if torch_rows:
+        print_page_faults(torch_rows)
     shampoo_floors = [row for row in rows if "floor_ms" in row]
     if shampoo_floors:
         print_shampoo_floors(shampoo_floors)
@@ -521,6 +566,30 @@ def print_kron_floors(rows: list[dict]) -> None:
             f"| {row['pair']} | {row['model']} | {row['setting']} | {eager:.2f} | "
             f"{compiled:.2f} | {ms['original']:.2f} | {eager / ms['original']:.2f} | "
             f"{compiled / ms['original']:.2f} | {row['ratio']:.2f} |",
+            flush=True,
+        )
+
+
+def print_page_faults(rows: list[dict]) -> None:
+    """The torch pairs' minor page faults per step (median of the rounds): pages
+    the allocator got anew from the OS, zeroed on first touch. glibc's malloc
+    returns freed memory at the top of its heap to the OS once it exceeds a
+    threshold that grows with the largest block freed so far, so a step's
+    temporaries cost faults or not depending on what the process freed before
+    (a training loop's activations, here only the optimizers' own work)."""
+    print()
+    names = list(dict.fromkeys(n for row in rows for n in row["page_faults_per_step"]))
+    print(
+        "| pair | model | setting | "
+        + " | ".join(f"{n} faults/step" for n in names)
+        + " |"
+    )
+    print("|---|---|---|" + "---:|" * len(names))
+    for row in rows:
+        faults = row["page_faults_per_step"]
+        cells = " | ".join(f"{faults[n]:.0f}" if n in faults else "" for n in names)
+        print(
+            f"| {row['pair']} | {row['model']} | {row['setting']} | {cells} |",
             flush=True,
         )
 
