@@ -74,6 +74,7 @@ Usage::
     python benchmarks/peer_speed.py --pairs jax-kron --models char-lm
     python benchmarks/peer_speed.py --quick            # smoke run
     python benchmarks/peer_speed.py --json out.json
+    python benchmarks/peer_speed.py --pairs torch-kron --unsettled-allocator
 """
 
 from __future__ import annotations
@@ -474,6 +475,11 @@ def _parse(argv):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="2 short rounds")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--unsettled-allocator",
+        action="store_true",
+        help="skip settle_allocator(), to see the page faults it prevents",
+    )
     return parser.parse_args(argv)
 
 
@@ -487,8 +493,13 @@ def main(argv=None) -> int:
     unknown = sorted(set(pairs) - set(PAIRS))
     if unknown:
         raise SystemExit(f"unknown --pairs {unknown}: choose from {PAIRS}")
-    settle_allocator()
-    info = machine_info() | {"torch": torch.__version__, "rounds": rounds}
+    if not args.unsettled_allocator:
+        settle_allocator()
+    info = machine_info() | {
+        "torch": torch.__version__,
+        "rounds": rounds,
+        "allocator_settled": not args.unsettled_allocator,
+    }
     print(json.dumps(info, indent=1))
     print("| pair | model | setting | precond ms | original ms | precond / original |")
     print("|---|---|---|---:|---:|---:|")
