@@ -53,16 +53,16 @@ def gradient_entries(
 
 
 def skipped_for_unusable_gradients(
-    entries: list[tuple[dict, torch.Tensor, int]], usable: bool | None = None
+    entries: list[tuple[dict, torch.Tensor, int]],
+    grads: list[torch.Tensor] | None = None,
 ) -> bool:
-    """True when some gradient of ``entries`` is unusable
-    (:func:`gradients_are_usable`, or the caller's verdict ``usable``, e.g.
-    :func:`stacks_are_usable` on stacks of them): the step is skipped, its state
-    unchanged, and only the decoupled weight decay is applied."""
-    if usable is None:
+    """True when some gradient of ``entries`` (or ``grads``, their whole
+    gradients where the parameters are sharded) is unusable
+    (:func:`gradients_are_usable`): the step is skipped, its state unchanged, and
+    only the decoupled weight decay is applied."""
+    if grads is None:
         grads = cast("list[torch.Tensor]", [p.grad for _, p, _ in entries])
-        usable = gradients_are_usable(grads)
-    if usable:
+    if gradients_are_usable(grads):
         return False
     for group, p, _ in entries:
         local_value(p).mul_(1 - scalar(group["lr"]) * group["weight_decay"])
@@ -94,19 +94,20 @@ def as_shape(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The precision the step guard sums a gradient's squares in: float32, or
-    float64 for float64 (complex64 or complex128 for complex gradients): torch's
-    promotion of ``dtype`` with float32, without a dispatch per call."""
+    """At least float32: ``dtype`` for float64 and complex128, else float32 or
+    complex64 (torch's promotion with float32, without dispatching an operator
+    each call: a step asks it per bucket)."""
     if dtype in (torch.float64, torch.complex128):
         return dtype
     return torch.complex64 if dtype.is_complex else torch.float32
 
 
 def _working_view(g: torch.Tensor) -> torch.Tensor:
-    """``g`` in its working precision (:func:`working_dtype`), complex entries as
-    (real, imaginary) pairs."""
+    """``g`` flattened in its working precision (:func:`working_dtype`: float32,
+    or float64 for float64 and complex128), complex entries as (real,
+    imaginary) pairs."""
     g = as_dtype(g, working_dtype(g.dtype))
-    return torch.view_as_real(g) if g.is_complex() else g
+    return (torch.view_as_real(g) if g.is_complex() else g).reshape(-1)
 
 
 def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
@@ -115,23 +116,9 @@ def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
     NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
     that their squares overflow, as :func:`precond.jax.kron`'s guard. One dot
     product per gradient, one host sync per step."""
-    views = [_working_view(g).reshape(-1) for g in grads]
     # Stacking promotes float32 norms to float64 where both occur: exactly.
-    squared_norms = torch.stack([torch.dot(x, x) for x in views])
+    squared_norms = torch.stack([torch.dot(x, x) for x in map(_working_view, grads)])
     return bool(squared_norms.isfinite().all())
-
-
-def stacks_are_usable(stacks: Sequence[torch.Tensor]) -> bool:
-    """:func:`gradients_are_usable` for gradients stacked along a leading axis,
-    each stack (B, ...) in a dtype whose working precision is its gradients':
-    True when every entry's Σ|g|² is finite. One ``vecdot`` per stack where
-    the per-gradient check makes a dot product per gradient, and one host
-    sync."""
-    squared_norms = []
-    for stack in stacks:
-        x = _working_view(stack).reshape(stack.shape[0], -1)
-        squared_norms.append(torch.linalg.vecdot(x, x))
-    return bool(torch.cat(squared_norms).isfinite().all())
 
 
 def scalar(value: Any) -> float:

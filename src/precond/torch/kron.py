@@ -12,7 +12,6 @@ or applies all of their factors without copying them into a batch each step.
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -73,7 +72,6 @@ from precond.torch._optimizer import (
     scalar,
     seeded_generator,
     skipped_for_unusable_gradients,
-    stacks_are_usable,
     working_dtype,
 )
 from precond.torch._optimizer import (  # re-exported: precond.bench imports it here
@@ -336,28 +334,19 @@ class Kron(CheckedOptimizer):
             return loss
         # Whole gradients: a DTensor's is gathered (precond.torch._dtensor).
         full = full_gradients([p for _, p, _ in entries])
+        if skipped_for_unusable_gradients(entries, full):
+            return loss
         grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
+        draws = None if self.seed is not None else self._global_draws(entries)
         owners = self.strategy.assign(
             [p for _, p, _ in entries],
             [cost(p.shape, group) for group, p, _ in entries],
         )
+        updates: dict[int, torch.Tensor] = {}
         rank = self.strategy.rank
         mine = [e for e, owner in zip(entries, owners, strict=True) if owner == rank]
-        bucketed = list(buckets(mine, self.state).values())
-        # Each bucket's gradients stacked once, for the guard and the momentum;
-        # other ranks' parameters are checked one by one.
-        stacked = [_stacked_gradients(bucket, grads) for bucket in bucketed]
-        others = [
-            grads[index].unsqueeze(0)
-            for (_, _, index), owner in zip(entries, owners, strict=True)
-            if owner != rank
-        ]
-        if skipped_for_unusable_gradients(entries, stacks_are_usable(stacked + others)):
-            return loss
-        draws = None if self.seed is not None else self._global_draws(entries)
-        updates: dict[int, torch.Tensor] = {}
-        for bucket, bucket_grads in zip(bucketed, stacked, strict=True):
-            self._step_bucket(bucket, updates, draws, grads, bucket_grads)
+        for bucket in buckets(mine, self.state).values():
+            self._step_bucket(bucket, updates, draws, grads)
         with profiled_stage("precond/kron/share_updates"):
             shared = self.strategy.share(
                 [p for _, p, _ in entries],
@@ -522,20 +511,18 @@ class Kron(CheckedOptimizer):
         updates: dict[int, torch.Tensor],
         draws: dict | None,
         grads: dict[int, torch.Tensor],
-        bucket_grads: torch.Tensor,
     ) -> None:
         """Momentum, fit and preconditioned update of equal-shaped parameters;
         ``draws`` holds ``seed=None``'s draws (:meth:`_global_draws`), ``grads``
-        the whole gradients by parameter index, ``bucket_grads`` the bucket's
-        stacked (:func:`_stacked_gradients`)."""
+        the whole gradients by parameter index."""
         group = bucket[0][0]
         states = [self._init_state(p, g) for g, p, _ in bucket]
         stacks = bucket_stacks(self._stacks, states)
         shape, _ = factor_plan(bucket[0][1].shape, group)
-        dtype = working_dtype(stacks.factors[0].dtype)  # at least float32
+        dtype = working_dtype(stacks.factors[0].dtype)
         with profiled_stage("precond/kron/momentum"):
             mu_hat = _momentum_step(
-                bucket, states, stacks.momentum, shape, dtype, bucket_grads
+                bucket, states, stacks.momentum, shape, dtype, grads
             )
         stored_factors = [as_dtype(F, dtype) for F in stacks.factors]
         if _update_due(bucket, states, draws):
@@ -611,35 +598,25 @@ def _stacked(tensors, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.stack([as_shape(as_dtype(t, dtype), shape) for t in tensors])
 
 
-def _stacked_gradients(bucket, grads: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The bucket's whole gradients stacked, (B, *θ.shape), in their working
-    precision (:func:`working_dtype`: exactly, so that the step guard sums the
-    squares of the gradients themselves and the momentum gets each in its dtype
-    as if cast directly)."""
-    members = [grads[index] for _, _, index in bucket]
-    dtype = working_dtype(
-        functools.reduce(torch.promote_types, {g.dtype for g in members})
-    )
-    return _stacked(members, dtype, bucket[0][1].shape)
-
-
 def _momentum_step(
     bucket,
     states,
     momenta: torch.Tensor,
     shape,
     dtype: torch.dtype,
-    grads: torch.Tensor,
+    all_grads: dict[int, torch.Tensor],
 ) -> torch.Tensor:
-    """Counts the step and updates the bucket's stack of momenta with its
-    stacked gradients, m ← β₁m + (1−β₁)g (g in the momenta's dtype); returns the
-    stack of m̂ = m/(1−β₁ⁿ) (of g when β₁ = 0) in ``dtype`` and ``shape``. With
-    ``store_debiased_momentum`` (kron-torch 0.1.0), m ← m̂."""
+    """Counts the step and updates the bucket's stack of momenta,
+    m ← β₁m + (1−β₁)g; returns the stack of m̂ = m/(1−β₁ⁿ) (of g when β₁ = 0) in
+    ``dtype`` and ``shape``. With ``store_debiased_momentum`` (kron-torch
+    0.1.0), m ← m̂."""
     group = bucket[0][0]
     b1 = group["b1"]
     for state in states:
         state[STEP] += 1
-    grads = as_dtype(grads, momenta.dtype)
+    grads = _stacked(
+        [all_grads[index] for _, _, index in bucket], momenta.dtype, momenta.shape[1:]
+    )
     momenta.lerp_(grads, 1 - b1)
     stacked_shape = (len(bucket), *shape)
     if b1 > 0:
