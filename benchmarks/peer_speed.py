@@ -582,12 +582,9 @@ def print_kron_floors(rows: list[dict]) -> None:
 
 
 def print_page_faults(rows: list[dict]) -> None:
-    """The torch pairs' minor page faults per step (median of the rounds): pages
-    the allocator got anew from the OS, zeroed on first touch. glibc's malloc
-    returns freed memory at the top of its heap to the OS once it exceeds a
-    threshold that grows with the largest block freed so far, so a step's
-    temporaries cost faults or not depending on what the process freed before
-    (a training loop's activations, here only the optimizers' own work)."""
+    """The torch pairs' minor page faults per step (median of the rounds):
+    pages the allocator got anew from the OS, zeroed on first touch; whether a
+    step pays them depends on the allocator's state (:func:`settle_allocator`)."""
     print()
     names = list(dict.fromkeys(n for row in rows for n in row["page_faults_per_step"]))
     print(

@@ -16,6 +16,7 @@ from precond._common.factor_plan import plan_diagonal_axes
 from precond._common.kron_constants import GENERATION_1_STYLE, stored_cache
 from precond._common.kron_plan import merge_planned_axes
 from precond.torch import _kron_math as km
+from precond.torch._optimizer import working_dtype
 
 # Keys of self.state[p].
 STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
@@ -216,7 +217,7 @@ def state_dtypes(
     factor = group["precond_dtype"] or p.dtype
     momentum = group["mu_dtype"] or p.dtype
     if p.is_complex():
-        factor = _complex_of(torch.promote_types(factor, torch.float32))
+        factor = _complex_of(working_dtype(factor))
         momentum = momentum if momentum.is_complex else _complex_of(momentum)
     return factor, momentum
 
@@ -268,7 +269,7 @@ def initial_factors(p: torch.Tensor, group: dict[str, Any]) -> list[torch.Tensor
     shape, diagonal = factor_plan(p.shape, group)
     dtype, _ = state_dtypes(p, group)
     scale = group["precond_init_scale"] ** (1 / len(shape))
-    cache, work = cache_layout(group), torch.promote_types(dtype, torch.float32)
+    cache, work = cache_layout(group), working_dtype(dtype)
     return [
         torch.full((d,), scale, dtype=dtype, device=p.device)
         if diag
