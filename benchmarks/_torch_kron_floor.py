@@ -48,16 +48,18 @@ class _Bucket:
         shape = tuple(params[0].shape)
         if len(shape) not in (1, 2):
             raise ValueError(f"the floor takes 1-D and 2-D parameters, not {shape}")
-        n = len(params)
+        n, device = len(params), params[0].device
         # A vector is worked on as a (d, 1) matrix: its products are matrix ones.
         self.stacked_shape = (n, *shape) if len(shape) == 2 else (n, shape[0], 1)
-        self.momentum = torch.zeros(self.stacked_shape)
+        self.momentum = torch.zeros(self.stacked_shape, device=device)
         self.factors = [
-            torch.ones(n, d) if diag else torch.eye(d).expand(n, d, d).clone()
+            torch.ones(n, d, device=device)
+            if diag
+            else torch.eye(d, device=device).expand(n, d, d).clone()
             for d, diag in zip(shape, diagonal, strict=True)
         ]
         generator = torch.Generator().manual_seed(0)
-        self.noise = torch.randn(self.stacked_shape, generator=generator)
+        self.noise = torch.randn(self.stacked_shape, generator=generator).to(device)
 
 
 # The products below are the kernels' (precond.torch._kron_math) in their
@@ -172,7 +174,9 @@ class KronFloor:
             fit=(self.count - 1) % self.interval == 0,
             b1=self.b1,
             # A tensor: a compiled program would be made anew for each float.
-            correction=torch.tensor(1 - self.b1**self.count),
+            correction=torch.tensor(
+                1 - self.b1**self.count, device=self.params[0].device
+            ),
             lr=self.lr,
             decay=self.decay,
         )

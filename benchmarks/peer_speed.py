@@ -75,6 +75,7 @@ Usage::
     python benchmarks/peer_speed.py --quick            # smoke run
     python benchmarks/peer_speed.py --json out.json
     python benchmarks/peer_speed.py --pairs torch-kron --unsettled-allocator
+    python benchmarks/peer_speed.py --torch-device cuda   # torch pairs on the GPU
 """
 
 from __future__ import annotations
@@ -139,19 +140,23 @@ def _dict_keyed(tree):
     return {f"{i:05d}": x for i, x in enumerate(jax.tree.leaves(tree))}
 
 
-def torch_stepper(make, model: str, warmup: int = 2) -> Callable[[int], None]:
+def torch_stepper(
+    make, model: str, device: str, warmup: int = 2
+) -> Callable[[int], None]:
     """``run(n)``: n ``step()`` calls of ``make(parameters)`` on the bench's torch
-    ``model`` with fixed random gradients, after ``warmup`` steps."""
+    ``model`` on ``device`` with fixed random gradients, after ``warmup`` steps;
+    on a GPU, ``run`` returns once the device has finished them."""
     import torch
 
     from precond.bench.torch_models import build_model
     from precond.bench.workloads import get_workload
 
-    module = build_model(get_workload(model).torch_model, 0)
+    module = build_model(get_workload(model).torch_model, 0).to(device)
     parameters = [p for p in module.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(1)
     grads = [
-        torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in parameters
+        torch.randn(p.shape, generator=generator, dtype=p.dtype).to(device)
+        for p in parameters
     ]
     optimizer = make(parameters)
 
@@ -162,6 +167,8 @@ def torch_stepper(make, model: str, warmup: int = 2) -> Callable[[int], None]:
             for p, g in zip(parameters, grads, strict=True):
                 p.grad = g
             optimizer.step()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
 
     run(warmup)
     return run
@@ -222,7 +229,7 @@ def _torch_kron_arguments(probability: float) -> dict[str, Any]:
     )
 
 
-def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
+def torch_kron_pair(model: str, probability: float, device: str) -> dict[str, Callable]:
     import torch
     from benchmarks._torch_kron_floor import KronFloor, warmup_steps
     from tests import oracles
@@ -233,15 +240,18 @@ def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
     arguments = _torch_kron_arguments(probability)
     torch.manual_seed(0)
     return {
-        "precond": lambda: torch_stepper(lambda p: pt.Kron(p, **arguments), model),
+        "precond": lambda: torch_stepper(
+            lambda p: pt.Kron(p, **arguments), model, device
+        ),
         "original": lambda: torch_stepper(
-            lambda p: original.Kron(p, **arguments), model
+            lambda p: original.Kron(p, **arguments), model, device
         ),
         # benchmarks/_torch_kron_floor.py: what no implementation undercuts.
         **{
             name: lambda compiled=compiled: torch_stepper(
                 lambda p: KronFloor(p, **arguments, compiled=compiled),
                 model,
+                device,
                 warmup_steps(probability),
             )
             for name, compiled in FLOORS.items()
@@ -249,7 +259,7 @@ def torch_kron_pair(model: str, probability: float) -> dict[str, Callable]:
     }
 
 
-def heavyball_pair(model: str, probability: float) -> dict[str, Callable]:
+def heavyball_pair(model: str, probability: float, device: str) -> dict[str, Callable]:
     """precond's Kron against HeavyBall's compiled PSGDKron (reported in the
     "original" column)."""
     import precond.torch as pt
@@ -267,9 +277,11 @@ def heavyball_pair(model: str, probability: float) -> dict[str, Callable]:
     # steps its fit is compiled too.
     warmup = math.ceil(1 / probability) + 2
     return {
-        "precond": lambda: torch_stepper(lambda p: pt.Kron(p, **arguments), model),
+        "precond": lambda: torch_stepper(
+            lambda p: pt.Kron(p, **arguments), model, device
+        ),
         "original": lambda: torch_stepper(
-            lambda p: heavyball.PSGDKron(p, **theirs), model, warmup
+            lambda p: heavyball.PSGDKron(p, **theirs), model, device, warmup
         ),
     }
 
@@ -305,9 +317,11 @@ def shampoo_pair(model: str, interval: int) -> dict[str, Callable]:
     }
 
 
-def cases(pairs, models) -> list[tuple[str, str, str, Any, int, Callable]]:
+def cases(
+    pairs, models, torch_device: str = "cpu"
+) -> list[tuple[str, str, str, Any, int, Callable]]:
     """(pair, model, setting, its value, steps per round, make the pair's
-    steppers) for every case asked."""
+    steppers) for every case asked; the torch pairs on ``torch_device``."""
     # (label, argument, steps per round): a round of a rare event (a fit at
     # p = 0.03, a root every 33 steps) holds several of them.
     settings = {
@@ -325,8 +339,8 @@ def cases(pairs, models) -> list[tuple[str, str, str, Any, int, Callable]]:
     makers = {
         "jax-kron": jax_kron_pair,
         "jax-kron-same-math": lambda m, v: jax_kron_pair(m, v, same_math=True),
-        "torch-kron": torch_kron_pair,
-        "torch-kron-heavyball": heavyball_pair,
+        "torch-kron": functools.partial(torch_kron_pair, device=torch_device),
+        "torch-kron-heavyball": functools.partial(heavyball_pair, device=torch_device),
         "shampoo": shampoo_pair,
     }
     return [
@@ -476,6 +490,11 @@ def _parse(argv):
     parser.add_argument("--quick", action="store_true", help="2 short rounds")
     parser.add_argument("--json", default=None)
     parser.add_argument(
+        "--torch-device",
+        default="cpu",
+        help="the torch pairs' device (cpu, cuda); the JAX pairs run on JAX's default",
+    )
+    parser.add_argument(
         "--unsettled-allocator",
         action="store_true",
         help="skip settle_allocator(), to see the page faults it prevents",
@@ -495,8 +514,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown --pairs {unknown}: choose from {PAIRS}")
     if not args.unsettled_allocator:
         settle_allocator()
+    on_gpu = torch.device(args.torch_device).type == "cuda"
     info = machine_info() | {
         "torch": torch.__version__,
+        "torch_device": torch.cuda.get_device_name(args.torch_device)
+        if on_gpu
+        else args.torch_device,
         "rounds": rounds,
         "allocator_settled": not args.unsettled_allocator,
     }
@@ -504,11 +527,15 @@ def main(argv=None) -> int:
     print("| pair | model | setting | precond ms | original ms | precond / original |")
     print("|---|---|---|---:|---:|---:|")
     rows = []
-    for pair, model, label, value, window, make in cases(pairs, args.models.split(",")):
+    models = args.models.split(",")
+    for pair, model, label, value, window, make in cases(
+        pairs, models, args.torch_device
+    ):
         window = min(window, 3) if args.quick else window
         runs = {name: start() for name, start in make().items()}
         result = measure_pair(runs, window, rounds)
-        if pair.startswith("torch-kron"):
+        # On a GPU the profiler's CPU times are launches, not products.
+        if pair.startswith("torch-kron") and not on_gpu:
             result["matmul_ms"], result["ops_per_step"] = torch_step_profile(
                 {name: runs[name] for name in ("precond", "original")}, window
             )
@@ -530,7 +557,7 @@ def main(argv=None) -> int:
     if kron_floors:
         print_kron_floors(kron_floors)
     torch_rows = [row for row in rows if row["pair"].startswith("torch-kron")]
-    if torch_rows:
+    if torch_rows and not on_gpu:
         print_page_faults(torch_rows)
     shampoo_floors = [row for row in rows if "floor_ms" in row]
     if shampoo_floors:
