@@ -47,6 +47,7 @@ import torch
 from precond._common.kron_constants import (  # the styles both frameworks accept
     UPDATE_STYLES as UPDATE_STYLES,
 )
+from precond.torch._optimizer import as_dtype
 
 # Leading stack axes of a kernel's per-unit arguments (module doc; 0 in
 # precond.jax._kron_math, whose callers vmap).
@@ -80,6 +81,17 @@ def _unrows(rows: torch.Tensor, moved_shape, axis: int) -> torch.Tensor:
     return unrolled if axis == unrolled.ndim - 2 else unrolled.movedim(-1, axis + 1)
 
 
+def _per_entry(values: torch.Tensor) -> torch.Tensor:
+    """A (B,) vector as (B, 1, 1), to scale each (d, d) entry of a stack (one
+    dispatch, where ``values[:, None, None]`` makes two)."""
+    return values.reshape(-1, 1, 1)
+
+
+def _conj(M: torch.Tensor) -> torch.Tensor:
+    """conj(M), without dispatching a no-op for a real M."""
+    return M.conj() if M.is_complex() else M
+
+
 def _along(vector: torch.Tensor, X: torch.Tensor, axis: int) -> torch.Tensor:
     """A (B, d) stack of vectors shaped to broadcast along tensor axis ``axis``."""
     shape = [X.shape[0]] + [1] * (X.ndim - 1)
@@ -87,12 +99,25 @@ def _along(vector: torch.Tensor, X: torch.Tensor, axis: int) -> torch.Tensor:
     return vector.reshape(shape)
 
 
+def _rows_times(X: torch.Tensor, right: torch.Tensor, axis: int) -> torch.Tensor:
+    """X with its rows along ``axis`` multiplied by the (B, d, d') stack ``right``."""
+    rows, moved = _rows(X, axis)
+    return _unrows(torch.bmm(rows, right), moved, axis)
+
+
 def mode_product(X: torch.Tensor, M: torch.Tensor, axis: int) -> torch.Tensor:
     """X ×_axis M: ``M @ X`` along ``axis`` (M a (B, d', d) stack), or ``M ⊙ X``."""
     if is_diagonal(M):
         return X * _along(M, X, axis)
-    rows, moved = _rows(X, axis)
-    return _unrows(torch.bmm(rows, M.transpose(1, 2)), moved, axis)
+    return _rows_times(X, M.transpose(1, 2), axis)
+
+
+def _adjoint_product(X: torch.Tensor, M: torch.Tensor, axis: int) -> torch.Tensor:
+    """X ×_axis Mᴴ: rows·conj(M), the same operand as (Mᴴ)ᵀ without the two
+    dispatches of forming it (for conj(M) ⊙ X, none for a real M)."""
+    if is_diagonal(M):
+        return X * _along(_conj(M), X, axis)
+    return _rows_times(X, _conj(M), axis)
 
 
 def apply_along_axes(factors: Sequence[torch.Tensor], X: torch.Tensor) -> torch.Tensor:
@@ -132,22 +157,22 @@ def norm_lower_bound(S: torch.Tensor) -> torch.Tensor:
     √d of ‖S‖₂. Returns 0 for S = 0.
     """
     scale = S.abs().amax(dim=(1, 2))
-    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    S_hat = S / safe_scale[:, None, None].to(S.dtype)
+    safe_scale = torch.where(scale > 0, scale, 1.0)
+    S_hat = S / as_dtype(_per_entry(safe_scale), S.dtype)
     squares = (
         torch.view_as_real(S_hat).square().sum(dim=-1)
         if S_hat.is_complex()
         else S_hat * S_hat
     )
     column = squares.sum(dim=1).argmax(dim=1)
-    x = torch.take_along_dim(S_hat, column[:, None, None], dim=2)[..., 0]
+    x = torch.take_along_dim(S_hat, _per_entry(column), dim=2)[..., 0]
     y = torch.bmm(x.conj()[:, None, :], S_hat)[:, 0]
     y_norm = torch.linalg.vector_norm(y, dim=1, keepdim=True)
-    y = y / torch.where(y_norm > 0, y_norm, torch.ones_like(y_norm)).to(y.dtype)
+    y = y / as_dtype(torch.where(y_norm > 0, y_norm, 1.0), y.dtype)
     bound = safe_scale * torch.linalg.vector_norm(
         torch.bmm(y[:, None, :], S_hat.mH)[:, 0], dim=1
     )
-    return torch.where(scale > 0, bound, torch.zeros_like(bound))
+    return torch.where(scale > 0, bound, 0.0)
 
 
 def add_damping_noise(
@@ -225,7 +250,7 @@ def update_factors(
             gradient = (T1 - T2).triu_()
             normalizer = gradient if first_order else T1.add_(T2)
             step = preconditioner_lr / (norm_lower_bound(normalizer) + TINY)
-            new_Qs.append(Q - torch.bmm(gradient, Q).mul_(step[:, None, None]))
+            new_Qs.append(Q - torch.bmm(gradient, Q).mul_(_per_entry(step)))
     return new_Qs
 
 
@@ -244,10 +269,10 @@ def balance_factors(
         if valid is not None:
             v = valid[i]
             mask = v if is_diagonal(Q) else v[..., :, None] & v[..., None, :]
-            magnitude = torch.where(mask, magnitude, torch.zeros_like(magnitude))
+            magnitude = torch.where(mask, magnitude, 0.0)
         norms.append(magnitude.reshape(Q.shape[0], -1).amax(dim=1))
     norms = torch.stack(norms)
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    safe = torch.where(norms > 0, norms, 1.0)
     gamma = safe.log().mean(dim=0).exp()
     return [Q * _expand(gamma / safe[i], Q) for i, Q in enumerate(Qs)]
 
@@ -261,7 +286,7 @@ def precondition(Qs: Sequence[torch.Tensor], G: torch.Tensor) -> torch.Tensor:
     """U = P·G = G ×_1 Q_1ᴴQ_1 … ×_k Q_kᴴQ_k, applying Q_i then Q_iᴴ per axis."""
     for axis, Q in enumerate(Qs):
         G = mode_product(G, Q, axis)
-        G = mode_product(G, Q.conj() if is_diagonal(Q) else Q.mH, axis)
+        G = _adjoint_product(G, Q, axis)
     return G
 
 
@@ -376,12 +401,12 @@ def procrustes_step(
         bound = norm_lower_bound(R)
     else:
         bound = sampled_norm_lower_bound(R, rng, draw)
-    R = R / (bound + TINY)[:, None, None]
+    R = R / _per_entry(bound + TINY)
     RQ = torch.bmm(R, Q)
     RRQ = torch.bmm(R, RQ)
     tr_RQ = RQ.diagonal(dim1=1, dim2=2).sum(dim=1).real
     tr_RRQ = RRQ.diagonal(dim1=1, dim2=2).sum(dim=1).real
-    safe = torch.where(tr_RRQ < 0, tr_RRQ, -torch.ones_like(tr_RRQ))
+    safe = torch.where(tr_RRQ < 0, tr_RRQ, -1.0)
     a = torch.where(
         tr_RRQ < 0,
         torch.clamp(-tr_RQ / safe, max=MAX_PROCRUSTES_STEP),

@@ -16,7 +16,7 @@ from precond._common.factor_plan import plan_diagonal_axes
 from precond._common.kron_constants import GENERATION_1_STYLE, stored_cache
 from precond._common.kron_plan import merge_planned_axes
 from precond.torch import _kron_math as km
-from precond.torch._optimizer import working_dtype
+from precond.torch._optimizer import as_dtype, working_dtype
 
 # Keys of self.state[p].
 STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
@@ -238,10 +238,10 @@ def generation_2(group: dict[str, Any]) -> bool:
 def stored(Q: torch.Tensor, cache: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The state array of a (B, ...) stack of factors in the cache layout."""
     if km.is_diagonal(Q) or cache is None:  # diagonal factors: stored as they are
-        return Q.to(dtype)
+        return as_dtype(Q, dtype)
     if cache == "packed":
-        return km.pack_factor(Q).to(dtype)
-    return torch.stack([Q, km.factor_gram(Q)], dim=1).to(dtype)
+        return as_dtype(km.pack_factor(Q), dtype)
+    return as_dtype(torch.stack([Q, km.factor_gram(Q)], dim=1), dtype)
 
 
 def factor_of(F: torch.Tensor, cache: str | None, style: str) -> torch.Tensor:

@@ -560,7 +560,7 @@ class Kron(CheckedOptimizer):
                 group, states, factors, target, noise, mu_hat
             )
         factor_dtype = stacks.factors[0].dtype
-        new = [stored(Q, cache, factor_dtype).to(mu_hat.dtype) for Q in factors]
+        new = [as_dtype(stored(Q, cache, factor_dtype), mu_hat.dtype) for Q in factors]
         return _keep_finite_fits(states, stacks, new, stored_factors, lipschitz)
 
     def _seeded_randomness(self, bucket, states, factors, mu_hat):
