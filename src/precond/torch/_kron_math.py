@@ -81,12 +81,6 @@ def _unrows(rows: torch.Tensor, moved_shape, axis: int) -> torch.Tensor:
     return unrolled if axis == unrolled.ndim - 2 else unrolled.movedim(-1, axis + 1)
 
 
-def _per_entry(values: torch.Tensor) -> torch.Tensor:
-    """A (B,) vector as (B, 1, 1), to scale each (d, d) entry of a stack (one
-    dispatch, where ``values[:, None, None]`` makes two)."""
-    return values.reshape(-1, 1, 1)
-
-
 def _conj(M: torch.Tensor) -> torch.Tensor:
     """conj(M), without dispatching a no-op for a real M."""
     return M.conj() if M.is_complex() else M
@@ -158,14 +152,14 @@ def norm_lower_bound(S: torch.Tensor) -> torch.Tensor:
     """
     scale = S.abs().amax(dim=(1, 2))
     safe_scale = torch.where(scale > 0, scale, 1.0)
-    S_hat = S / as_dtype(_per_entry(safe_scale), S.dtype)
+    S_hat = S / as_dtype(_expand(safe_scale, S), S.dtype)
     squares = (
         torch.view_as_real(S_hat).square().sum(dim=-1)
         if S_hat.is_complex()
         else S_hat * S_hat
     )
     column = squares.sum(dim=1).argmax(dim=1)
-    x = torch.take_along_dim(S_hat, _per_entry(column), dim=2)[..., 0]
+    x = torch.take_along_dim(S_hat, _expand(column, S), dim=2)[..., 0]
     y = torch.bmm(x.conj()[:, None, :], S_hat)[:, 0]
     y_norm = torch.linalg.vector_norm(y, dim=1, keepdim=True)
     y = y / as_dtype(torch.where(y_norm > 0, y_norm, 1.0), y.dtype)
@@ -193,6 +187,8 @@ def add_damping_noise(
 
 
 def _expand(per_entry: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """A (B,) vector shaped to scale each entry of the stack X (one dispatch,
+    where ``per_entry[:, None, None]`` makes two)."""
     return per_entry.reshape((X.shape[0],) + (1,) * (X.ndim - 1))
 
 
@@ -250,7 +246,7 @@ def update_factors(
             gradient = (T1 - T2).triu_()
             normalizer = gradient if first_order else T1.add_(T2)
             step = preconditioner_lr / (norm_lower_bound(normalizer) + TINY)
-            new_Qs.append(Q - torch.bmm(gradient, Q).mul_(_per_entry(step)))
+            new_Qs.append(Q - torch.bmm(gradient, Q).mul_(_expand(step, Q)))
     return new_Qs
 
 
@@ -373,9 +369,9 @@ def sampled_norm_lower_bound(
     """
     B, d = S.shape[0], S.shape[-1]
     scale = S.abs().amax(dim=(1, 2)) + TINY
-    S_hat = S / scale[:, None, None]
+    S_hat = S / _expand(scale, S)
     row = (S_hat * S_hat).sum(dim=2).argmax(dim=1)
-    x = torch.take_along_dim(S_hat, row[:, None, None], dim=1)  # (B, 1, d)
+    x = torch.take_along_dim(S_hat, _expand(row, S), dim=1)  # (B, 1, d)
     W = (draw or normal_draw)(rng, (B, vectors, d), S.dtype, S.device)
     V = x + torch.sign((x * W).sum(dim=2, keepdim=True)) * W
     for _ in range(iterations):
@@ -401,17 +397,20 @@ def procrustes_step(
         bound = norm_lower_bound(R)
     else:
         bound = sampled_norm_lower_bound(R, rng, draw)
-    R = R / _per_entry(bound + TINY)
+    R = R / _expand(bound + TINY, R)
     RQ = torch.bmm(R, Q)
     RRQ = torch.bmm(R, RQ)
     tr_RQ = RQ.diagonal(dim1=1, dim2=2).sum(dim=1).real
     tr_RRQ = RRQ.diagonal(dim1=1, dim2=2).sum(dim=1).real
     safe = torch.where(tr_RRQ < 0, tr_RRQ, -1.0)
-    a = torch.where(
-        tr_RRQ < 0,
-        torch.clamp(-tr_RQ / safe, max=MAX_PROCRUSTES_STEP),
-        torch.full_like(tr_RRQ, MAX_PROCRUSTES_STEP),
-    )[:, None, None]
+    a = _expand(
+        torch.where(
+            tr_RRQ < 0,
+            torch.clamp(-tr_RQ / safe, max=MAX_PROCRUSTES_STEP),
+            MAX_PROCRUSTES_STEP,
+        ),
+        Q,
+    )
     return Q + a * RQ + (0.5 * a * a) * RRQ
 
 
@@ -466,11 +465,11 @@ def update_factors_gen2(
             gain = 1 - scale[:, None] * E
             Q = Q * (gain * gain if style == "QUAD" else gain)
         elif style == "PRO":
-            Q = procrustes_step(Q - mu[:, None, None] * torch.bmm(E, Q), rng, draw)
+            Q = procrustes_step(Q - _expand(mu, Q) * torch.bmm(E, Q), rng, draw)
         elif style == "QEQ":
-            Q = Q - mu[:, None, None] * torch.bmm(Q, E)
+            Q = Q - _expand(mu, Q) * torch.bmm(Q, E)
         else:
-            half = (0.5 * mu)[:, None, None]
+            half = _expand(0.5 * mu, Q)
             Q = Q - half * torch.bmm(E, Q)
             Q = Q - half * torch.bmm(Q, E)
             Q = 0.5 * (Q + Q.mH)
