@@ -29,7 +29,11 @@ from precond.jax import precond_update_prob_schedule as jax_schedule
 from precond.torch import Kron as _Kron
 from precond.torch import kron as kron_module
 from precond.torch import precond_update_prob_schedule
-from precond.torch._optimizer import finite_entries, working_dtype
+from precond.torch._optimizer import (
+    finite_entries,
+    gradients_are_usable,
+    working_dtype,
+)
 
 # The rules precond used before kron-torch 0.1.0's became Kron's defaults (issue
 # 18): RMS update clipping with decoupled weight decay, damping noise in the fit,
@@ -879,6 +883,25 @@ HUGE_GRADIENTS = [
     (torch.float32, 1e19, False),  # squares to 1e38: usable
     (torch.float64, 1e20, False),
 ]
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (4, 3), (3000,)], ids=str)
+@pytest.mark.parametrize(("dtype", "bad", "skipped"), HUGE_GRADIENTS, ids=str)
+def test_usable_exactly_when_the_squared_norm_is_finite(shape, dtype, bad, skipped):
+    """The guard alone, on gradients of one entry (whose norm is |g|, finite
+    where its square is not) and of many, beside a gradient of another dtype:
+    unusable exactly where Σ|g|², summed in float64 from the working-precision
+    values, passes the working precision's largest value (HUGE_GRADIENTS'
+    values lie far from that boundary)."""
+    gradient = torch.ones(shape, dtype=dtype)
+    gradient.view(-1)[0] = bad
+    working = gradient.to(working_dtype(dtype))
+    parts = torch.view_as_real(working) if working.is_complex() else working
+    squared_norm = parts.to(torch.float64).square().sum().item()
+    assert (squared_norm > torch.finfo(parts.dtype).max) == skipped
+    other = torch.ones(2, dtype=torch.float64)
+    assert gradients_are_usable([other, gradient]) == (not skipped)
+    assert gradients_are_usable([other, gradient.clone().fill_(1)])
 
 
 @pytest.mark.parametrize(("dtype", "bad", "skipped"), HUGE_GRADIENTS, ids=str)

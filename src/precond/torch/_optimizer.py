@@ -102,23 +102,33 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.complex64 if dtype.is_complex else torch.float32
 
 
-def _working_view(g: torch.Tensor) -> torch.Tensor:
-    """``g`` flattened in its working precision (:func:`working_dtype`: float32,
-    or float64 for float64 and complex128), complex entries as (real,
-    imaginary) pairs."""
+def _working_tensor(g: torch.Tensor) -> torch.Tensor:
+    """``g`` in its working precision (:func:`working_dtype`: float32, or float64
+    for float64 and complex128), complex entries as (real, imaginary) pairs."""
     g = as_dtype(g, working_dtype(g.dtype))
-    return (torch.view_as_real(g) if g.is_complex() else g).reshape(-1)
+    return torch.view_as_real(g) if g.is_complex() else g
 
 
 def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
     """True when every gradient's squared norm Σ|g|² is finite in its working
     precision (float32, or float64 for float64/complex128 gradients): False for
     NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
-    that their squares overflow, as :func:`precond.jax.kron`'s guard. One dot
-    product per gradient, one host sync per step."""
-    # Stacking promotes float32 norms to float64 where both occur: exactly.
-    squared_norms = torch.stack([torch.dot(x, x) for x in map(_working_view, grads)])
-    return bool(squared_norms.isfinite().all())
+    that their squares overflow, as :func:`precond.jax.kron`'s guard.
+
+    Σ|g|² is ‖g‖², each squared in its gradient's working precision: finite
+    when Σ|g|² is (up to rounding at the precision's largest value), however
+    ``torch._foreach_norm`` reaches ‖g‖ (it takes |g| for one entry, so
+    ‖[3e19]‖ is finite in float32 where its square is not). Two fused calls
+    over the real views, where one ``torch.dot`` per gradient dispatched as
+    many operators as there are parameters; one host sync per step."""
+    norms = torch._foreach_norm(  # pyright: ignore[reportPrivateImportUsage]
+        [_working_tensor(g) for g in grads]
+    )
+    squared_norms = torch._foreach_mul(  # pyright: ignore[reportPrivateImportUsage]
+        norms, norms
+    )
+    # Stacking promotes float32 values to float64 where both occur: exactly.
+    return bool(torch.stack(squared_norms).isfinite().all())
 
 
 def scalar(value: Any) -> float:
