@@ -11,7 +11,9 @@ preconditioner update probability or root interval):
 - ``jax-kron-same-math``: the same, with precond given ``merge_rule``,
   ``block_padding`` and ``noise_draws`` ``'distributed_kron'``: distributed-kron's
   factor shapes, padding and draws, so that both compute the same updates (the
-  parity tests' setting) and the ratio is the implementation's alone;
+  parity tests' setting), and ``preconditioner_cache=None``: distributed-kron's
+  storage (Q alone, applied as Qᵀ(Q·G)), so that the caching is equal too and the
+  ratio is the implementation's alone;
 - ``torch-kron``: ``precond.torch.Kron`` vs kron-torch 0.1.0's ``Kron``;
 - ``torch-kron-heavyball`` (not in the default ``--pairs``; it needs the
   ``peers`` extra): ``precond.torch.Kron`` vs HeavyBall 3.2.1's ``PSGDKron``,
@@ -186,11 +188,13 @@ def _kron_arguments(probability: float) -> dict[str, Any]:
 
 
 # precond's keyword-only arguments that make its factor shapes, padding and draws
-# distributed-kron's: the same updates (tests/jax/test_parity_distributed_kron.py).
+# distributed-kron's: the same updates (tests/jax/test_parity_distributed_kron.py),
+# and its storage: Q alone, no cached QᵀQ (equal caching on both sides).
 DISTRIBUTED_KRON_MATH = dict(
     merge_rule="distributed_kron",
     block_padding="distributed_kron",
     noise_draws="distributed_kron",
+    preconditioner_cache=None,
 )
 
 

@@ -192,11 +192,14 @@ def _compare(case, optimizers, params, grads):
     print(f"{case}: worst relative difference {worst:.2e}")
 
 
+@pytest.mark.parametrize("cache", ["packed", None])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_same_seed_gives_distributed_kron_trajectory(case):
+def test_same_seed_gives_distributed_kron_trajectory(case, cache):
     """With distributed-kron's merge rule and random draws (and its padding where
     it pads), 20 steps of updates equal distributed-kron 1.0.0's (relative 1e-5,
-    float32); every other argument is the same for both, nothing injected."""
+    float32); every other argument is the same for both, nothing injected. With
+    precond's default cache ('packed', P = QᵀQ applied in one product) and with
+    distributed-kron's storage (None, Qᵀ(Q·G)), which docs/migrating recommends."""
     dk = oracles.distributed_kron()
     shapes, arguments = CASES[case]
     arguments = {"learning_rate": 0.01, **arguments}
@@ -205,6 +208,7 @@ def test_same_seed_gives_distributed_kron_trajectory(case):
         merge_rule="distributed_kron",
         noise_draws="distributed_kron",
         block_padding="distributed_kron" if case == "padded_blocks" else "inert",
+        preconditioner_cache=cache,
     )
     _compare(case, (ours, dk.kron(**arguments)), _params(shapes), _gradients(shapes))
 
