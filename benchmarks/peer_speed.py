@@ -397,7 +397,8 @@ def settle_allocator() -> None:
 def measure_pair(runs: dict[str, Callable], window: int, rounds: int) -> dict:
     """Median over ``rounds`` of each round's mean seconds per step, the
     optimizers alternating round by round (the first one alternating too); and
-    the median of each round's minor page faults per step."""
+    the median of each round's minor page faults per step. ``ratio`` is
+    precond's over the original's, when ``runs`` names both."""
     per_round: dict[str, list[float]] = {name: [] for name in runs}
     faults: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -411,7 +412,9 @@ def measure_pair(runs: dict[str, Callable], window: int, rounds: int) -> dict:
     medians = {name: statistics.median(t) for name, t in per_round.items()}
     return {
         "ms": {name: 1e3 * s for name, s in medians.items()},
-        "ratio": medians["precond"] / medians["original"],
+        "ratio": medians["precond"] / medians["original"]
+        if {"precond", "original"} <= medians.keys()
+        else None,
         "spread": {name: [1e3 * min(t), 1e3 * max(t)] for name, t in per_round.items()},
         "page_faults_per_step": {
             name: statistics.median(f) for name, f in faults.items()

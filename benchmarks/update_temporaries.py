@@ -30,7 +30,6 @@ import argparse
 import json
 import mmap
 import pathlib
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from benchmarks.peer_speed import (
     DISTRIBUTED_KRON_MATH,
     _dict_keyed,
     _jax_params,
-    _minor_page_faults,
+    measure_pair,
 )
 
 MiB = 2**20
@@ -132,27 +131,6 @@ def memory(tx, params, grads) -> dict[str, float]:
     }
 
 
-def time_and_faults(runs: dict[str, Callable], window: int, rounds: int) -> dict:
-    """Per optimizer: median ms per step and median faults per step over
-    ``rounds`` rounds of ``window`` steps, the optimizers alternating."""
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    faults: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            before, start = _minor_page_faults(), time.perf_counter()
-            runs[name](window)
-            seconds[name].append((time.perf_counter() - start) / window)
-            faults[name].append((_minor_page_faults() - before) / window)
-    return {
-        name: {
-            "ms": 1e3 * statistics.median(seconds[name]),
-            "faults": statistics.median(faults[name]),
-        }
-        for name in runs
-    }
-
-
 def fault_cost(mib: int = 178, tries: int = 5) -> list[float]:
     """ms to write one byte per page of ``mib`` MiB of freshly mapped memory."""
     costs = []
@@ -190,9 +168,13 @@ def main(argv=None) -> int:
             for name, (make, by_index) in case["optimizers"].items():
                 p, g = keyed if by_index else (params, grads)
                 runs[name] = jax_stepper(make(probability), p, g)
-            timed = time_and_faults(runs, WINDOWS[probability], args.rounds)
+            timed = measure_pair(runs, WINDOWS[probability], args.rounds)
             setting = "fitting" if probability == 1.0 else "without a fit"
-            for name, row in timed.items():
+            for name in runs:
+                row = {
+                    "ms": timed["ms"][name],
+                    "faults": timed["page_faults_per_step"][name],
+                }
                 mem, faulted = sizes[name], row["faults"] * mmap.PAGESIZE / MiB
                 result["rows"].append(
                     {"case": case["case"], "optimizer": name, "setting": setting}
