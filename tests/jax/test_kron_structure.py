@@ -1,5 +1,6 @@
 """Structure identities of Kron's scanned layers and merged dims (DESIGN.md §7.2)."""
 
+import importlib
 import math
 
 import jax
@@ -77,6 +78,49 @@ def test_scanned_parameter_equals_independent_layers(lax_map):
             U = ref.precondition(Qs, mu_hat)
             U = U / max(1.0, np.sqrt(np.mean(U**2)) / 1.1)
             np.testing.assert_allclose(updates["stack"][l], U, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("style", ["EQ", "PRO"])
+def test_fit_in_batches_equals_one_vmap(monkeypatch, style):
+    """A stack fitted batch by batch (``_fit_batch_size``, on a CPU) updates and
+    fits as in one vmap over its units, to float64 rounding (XLA may pick other
+    kernels for another batch size): batches of 3 of the stack of 6 units, and
+    of 1 of the 7 units (no larger divisor)."""
+    shapes = {"even": (6, 5, 4), "odd": (7, 3, 4)}
+    grads = _random_grads(shapes, steps=4)
+    kwargs = dict(
+        scanned_layers={k: True for k in shapes},
+        preconditioner_update_style=style,
+        **KWARGS,
+    )
+
+    params = {k: jnp.zeros(s) for k, s in shapes.items()}
+
+    def run():
+        return run_updates(pj.scale_by_kron(**kwargs), params, grads)
+
+    whole, whole_state = run()
+    step_module = importlib.import_module("precond.jax._kron_step")
+    batch_sizes = []
+
+    def recorded(*args):
+        batch_sizes.append(fit_batch_size(*args))
+        return batch_sizes[-1]
+
+    fit_batch_size = step_module._fit_batch_size
+    # Room for 4 units of 5×4 in float64: 4·(4·20 + 8·(25 + 16))·8 bytes.
+    monkeypatch.setattr(step_module, "FIT_BATCH_BYTES", 4 * 3264)
+    monkeypatch.setattr(step_module, "_fit_batch_size", recorded)
+    batched, batched_state = run()
+    # The 7 units of 3×4 (1984 bytes each): room for 6, and 7 is prime.
+    assert sorted(set(batch_sizes)) == [1, 3]
+    for got, want in zip(batched, whole, strict=True):
+        for k in shapes:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-13, atol=1e-15)
+    for got, want in zip(
+        jax.tree.leaves(batched_state), jax.tree.leaves(whole_state), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
 
 
 def test_scanned_layers_accepts_a_callable():

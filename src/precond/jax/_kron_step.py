@@ -69,18 +69,28 @@ class _Step(NamedTuple):
 # ------------------------------------------------------------------ stacks
 
 
-def _over_units(config: KronConfig, fn: Callable, sharding: ShardingPlan, *stacked):
-    """``fn`` applied to every unit of a stack (vmap, or lax.map in batches).
+def _over_units(
+    config: KronConfig,
+    fn: Callable,
+    sharding: ShardingPlan,
+    *stacked,
+    batch_size: int | None = None,
+):
+    """``fn`` applied to every unit of a stack: one vmap, or lax.map in batches
+    of ``lax_map_batch_size`` units (``lax_map_scanned_layers``) or else of
+    ``batch_size`` units, if given.
 
     A sharded stack is mapped shard by shard (a vmap over the shards of a
     lax.map over each shard's units), so that no device waits on another.
     """
-    if not config.lax_map_scanned_layers:
+    if config.lax_map_scanned_layers:
+        batch_size = config.lax_map_batch_size
+    if batch_size is None:
         return jax.vmap(fn)(*stacked)
     shards = sharding.shards
 
     def local_map(*xs):
-        return jax.lax.map(lambda xs: fn(*xs), xs, batch_size=config.lax_map_batch_size)
+        return jax.lax.map(lambda xs: fn(*xs), xs, batch_size=batch_size)
 
     if shards == 1:
         return local_map(*stacked)
@@ -264,6 +274,39 @@ def _fit_unit(
     return keep(new_factors, factors), keep(new_lipschitz, lipschitz)
 
 
+# The most memory one batch of a stack's fit may take for its temporaries on a
+# CPU (by _fit_batch_size's estimate), where a unit is smaller than its largest
+# factor: such a stack whose fit would take more is fitted batch by batch.
+# XLA:CPU maps a program's temporaries afresh at every call, so each page a
+# step touches is a page fault, and the fit of thin units (distributed-kron's
+# blocks of one vector, each with a d×d factor) is bound by its d×d temporaries.
+# Where a unit is as large as its factors the products dominate, and batches
+# were slower. Other backends fit each stack in one vmap (not measured there).
+# See BENCHMARKS.md, "Kron's fit in batches".
+FIT_BATCH_BYTES = 64 * 2**20
+
+
+def _fit_batch_size(units: int, G: jax.Array, factors) -> int | None:
+    """Units per batch of the fit of a stack ``G`` (with its ``factors``) of
+    ``units`` units per shard; None for one vmap. A unit's temporaries are taken
+    as four arrays of its size (G̃, V, A = G̃·ΠQ, B = V·ΠQ⁻ᴴ) and eight of each
+    factor's (T1, T2, the step, the new and the balanced factors...). The batch
+    divides the units: lax.map would fit a remainder apart and concatenate the
+    results, and the copies took back most of the memory saved."""
+    dims = G.shape[1:]
+    factor_sizes = [
+        d if F.ndim == 2 else d * d  # a diagonal factor's stack: (units, d)
+        for d, F in zip(dims, factors, strict=True)
+    ]
+    if jax.default_backend() != "cpu" or max(factor_sizes) <= math.prod(dims):
+        return None
+    unit_bytes = (4 * math.prod(dims) + 8 * sum(factor_sizes)) * G.dtype.itemsize
+    most = max(1, FIT_BATCH_BYTES // unit_bytes)
+    if most >= units:
+        return None
+    return max(b for b in range(1, most + 1) if units % b == 0)
+
+
 def _fit_stack(config: KronConfig, step: _Step, index: int, inputs, draws, newton):
     """One factor update of every unit of stack ``index``; ``inputs`` are its
     (factors, lipschitz, G, V or None, damping)."""
@@ -282,7 +325,14 @@ def _fit_stack(config: KronConfig, step: _Step, index: int, inputs, draws, newto
 
     unit_inputs = (tuple(factors), lipschitz, G, ids, extents, damping)
     newton_V = () if V is None else (V,)
-    fitted, lipschitz = _over_units(config, fit, sharding, *unit_inputs, *newton_V)
+    fitted, lipschitz = _over_units(
+        config,
+        fit,
+        sharding,
+        *unit_inputs,
+        *newton_V,
+        batch_size=_fit_batch_size(G.shape[0] // sharding.shards, G, factors),
+    )
     fitted = tuple(sharding.constrain(F, sharding.stack_spec) for F in fitted)
     if lipschitz is not None:
         lipschitz = tuple(sharding.constrain(L, sharding.stack_spec) for L in lipschitz)

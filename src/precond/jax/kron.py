@@ -40,6 +40,9 @@ Arguments (of ``scale_by_kron``; ``kron`` adds ``learning_rate``,
         stacks layers: each layer gets its own factors, fitted under ``vmap``.
     lax_map_scanned_layers: map over the layers with ``jax.lax.map`` in batches
         of ``lax_map_batch_size`` instead of one ``vmap``: less memory, slower.
+        (Without it, on a CPU, the fit of a stack of units smaller than their
+        largest factor, such as distributed-kron's blocks of one vector, is
+        batched anyway, so that its temporaries stay near 64 MiB.)
     lax_map_batch_size: layers per batch with ``lax_map_scanned_layers``.
     merge_small_dims: precondition each tensor in a merged shape that groups
         adjacent axes into balanced dims of at most ``target_merged_dim_size``
