@@ -6,6 +6,7 @@ each unit is fitted whole on one device and the noise is keyed by unit identity.
 """
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,29 @@ PAIRWISE_CASES = [
 def test_sharded_equals_unsharded_float64(
     mesh_name, preconditioner_partition_spec, lax_map
 ):
+    _assert_sharded_equals_unsharded(mesh_name, preconditioner_partition_spec, lax_map)
+
+
+def test_sharded_fit_in_batches_equals_unsharded(monkeypatch):
+    """A stack fitted in batches (as on a CPU for units smaller than their
+    largest factor; here batches of 2 are forced on the 4 units per shard of the
+    16×16 blocks) is fitted shard by shard, batch by batch, and equals the
+    one-device run fitted in one vmap."""
+    _unsharded_float64(False)  # the reference, computed before the patch
+    step_module = importlib.import_module("precond.jax._kron_step")
+    units_per_shard = []
+
+    def in_pairs(units, G, factors):
+        units_per_shard.append(units)
+        return 2 if units == 4 else None
+
+    monkeypatch.setattr(step_module, "_fit_batch_size", in_pairs)
+    _assert_sharded_equals_unsharded("fsdp,tp", None, lax_map=False)
+    assert 4 in units_per_shard
+
+
+def _assert_sharded_equals_unsharded(mesh_name, preconditioner_partition_spec, lax_map):
+    """5 float64 steps on ``mesh_name`` equal :func:`_unsharded_float64`'s."""
     mesh, specs = _mesh(mesh_name), PLACEMENTS[mesh_name]
     grads, want, want_state = _unsharded_float64(lax_map)
     with float64():
