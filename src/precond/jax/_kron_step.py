@@ -281,7 +281,8 @@ def _fit_unit(
 # step touches is a page fault, and the fit of thin units (distributed-kron's
 # blocks of one vector, each with a d×d factor) is bound by its d×d temporaries.
 # Where a unit is as large as its factors the products dominate, and batches
-# were slower. Other backends fit each stack in one vmap (not measured there).
+# were slower in ad-hoc trials. Other backends fit each stack in one vmap (not
+# measured there).
 # See BENCHMARKS.md, "Kron's fit in batches".
 FIT_BATCH_BYTES = 64 * 2**20
 
@@ -293,14 +294,14 @@ def _fit_batch_size(units: int, G: jax.Array, factors) -> int | None:
     factor's (T1, T2, the step, the new and the balanced factors...). The batch
     divides the units: lax.map would fit a remainder apart and concatenate the
     results, and the copies took back most of the memory saved."""
-    dims = G.shape[1:]
+    dims, unit_size = G.shape[1:], math.prod(G.shape[1:])
     factor_sizes = [
         d if F.ndim == 2 else d * d  # a diagonal factor's stack: (units, d)
         for d, F in zip(dims, factors, strict=True)
     ]
-    if jax.default_backend() != "cpu" or max(factor_sizes) <= math.prod(dims):
+    if jax.default_backend() != "cpu" or max(factor_sizes) <= unit_size:
         return None
-    unit_bytes = (4 * math.prod(dims) + 8 * sum(factor_sizes)) * G.dtype.itemsize
+    unit_bytes = (4 * unit_size + 8 * sum(factor_sizes)) * G.dtype.itemsize
     most = max(1, FIT_BATCH_BYTES // unit_bytes)
     if most >= units:
         return None
