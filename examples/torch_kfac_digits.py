@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -230,13 +231,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
                 flush=True,
             )
     if world_size > 1:
-        # Every rank done with its collectives before any tears the group down:
-        # without it, a rank's gloo threads were at times still live at teardown
-        # and the process aborted ("terminate called without an active exception").
-        dist.barrier()
+        dist.barrier()  # every rank done with its collectives before any leaves
         dist.destroy_process_group()
     return history
 
 
 if __name__ == "__main__":
     main()
+    # End without interpreter finalization. gloo's worker threads outlive
+    # destroy_process_group (a gloo group has no shutdown), and the last barrier
+    # keeps the collectives before it alive until a worker frees it; a worker that
+    # frees their tensors after finalization began needs the GIL and aborts the
+    # process (SIGABRT, "terminate called without an active exception",
+    # pytorch/pytorch#179291). Everything is printed and the group is left.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
