@@ -9,11 +9,14 @@ failed or did not finish, with the tracebacks of the ranks that raised. A
 whole run that outlives ``RUN_TIMEOUT_S`` is killed.
 
 A rank that finished every case frees what the cases left (FSDP2's modules
-and meshes hold the process group in reference cycles), leaves the group and
-ends with ``os._exit(0)``: interpreter finalization would destroy torch's
-remaining C++ objects (gloo's worker threads among them) in no set order, and
-on a loaded CI machine that once aborted a rank (SIGABRT, "terminate called
-without an active exception") after all its cases had been saved.
+and meshes hold the process group in reference cycles), leaves the group
+(:func:`leave_group`) and ends with ``os._exit(0)``, skipping interpreter
+finalization: gloo's worker threads outlive ``destroy_process_group`` (a gloo
+group has no shutdown), and a barrier holds the collectives before it until a
+worker frees it. A worker that frees their tensors after finalization began
+needs the GIL and aborts the process (SIGABRT, "terminate called without an
+active exception", pytorch/pytorch#179291); CI saw it on a loaded machine,
+after every case had been saved.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ def init_gloo(rank: int, world_size: int, init_file) -> None:
     )
 
 
+def leave_group() -> None:
+    """Frees what is left, waits for every rank and leaves the group; the caller
+    then ends with ``os._exit(0)`` (module docstring)."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_cases(rank, world_size, init_file, out_dir, case_names, run_case: RunCase):
     """One rank: every case in turn, saving ``run_case(...)`` as
     rank{r}-{case}.pt (a barrier after each); on an error, rank{r}.err holds
@@ -68,9 +79,7 @@ def run_cases(rank, world_size, init_file, out_dir, case_names, run_case: RunCas
             torch.save(result, out / f"rank{rank}-{case_name}.pt")
             dist.barrier()
         case_name = "destroy_process_group"
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+        leave_group()
     except BaseException:
         (out / f"rank{rank}.err").write_text(
             f"in case {case_name}:\n{traceback.format_exc()}"
