@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -52,7 +51,7 @@ from torch import nn
 from precond.bench.report import write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.torch.spawned import init_gloo, leave_group
+from tests.torch.spawned import init_gloo, leave_group_and_exit
 
 from precond.torch.kfac import KFAC
 
@@ -155,11 +154,10 @@ def timing_worker(rank, world_size, init_file, out_dir, variants, warmup, steps)
                 "grid": None if grid is None else [grid.grad_workers, grid.columns],
             }
         (out / f"rank{rank}.json").write_text(json.dumps(result))
-        leave_group()
+        leave_group_and_exit()
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
-    os._exit(0)  # without interpreter finalization (tests/torch/spawned.py)
 
 
 def time_world(world_size: int, warmup: int, steps: int, log) -> list[dict]:

@@ -101,13 +101,13 @@ def test_fit_in_batches_equals_one_vmap(monkeypatch, style):
 
     whole, whole_state = run()
     step_module = importlib.import_module("precond.jax._kron_step")
+    fit_batch_size = step_module._fit_batch_size
     batch_sizes = []
 
     def recorded(*args):
         batch_sizes.append(fit_batch_size(*args))
         return batch_sizes[-1]
 
-    fit_batch_size = step_module._fit_batch_size
     # Room for 4 units of 5×4 in float64: 4·(4·20 + 8·(25 + 16))·8 bytes.
     monkeypatch.setattr(step_module, "FIT_BATCH_BYTES", 4 * 3264)
     monkeypatch.setattr(step_module, "_fit_batch_size", recorded)

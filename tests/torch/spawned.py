@@ -10,7 +10,7 @@ whole run that outlives ``RUN_TIMEOUT_S`` is killed.
 
 A rank that finished every case frees what the cases left (FSDP2's modules
 and meshes hold the process group in reference cycles), leaves the group
-(:func:`leave_group`) and ends with ``os._exit(0)``, skipping interpreter
+and ends with ``os._exit(0)`` (:func:`leave_group_and_exit`), skipping interpreter
 finalization: gloo's worker threads outlive ``destroy_process_group`` (a gloo
 group has no shutdown), and a barrier holds the collectives before it until a
 worker frees it. A worker that frees their tensors after finalization began
@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -58,12 +58,13 @@ def init_gloo(rank: int, world_size: int, init_file) -> None:
     )
 
 
-def leave_group() -> None:
-    """Frees what is left, waits for every rank and leaves the group; the caller
-    then ends with ``os._exit(0)`` (module docstring)."""
+def leave_group_and_exit() -> NoReturn:
+    """Frees what is left, waits for every rank, leaves the group and ends the
+    process without interpreter finalization (module docstring)."""
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 def run_cases(rank, world_size, init_file, out_dir, case_names, run_case: RunCase):
@@ -79,13 +80,12 @@ def run_cases(rank, world_size, init_file, out_dir, case_names, run_case: RunCas
             torch.save(result, out / f"rank{rank}-{case_name}.pt")
             dist.barrier()
         case_name = "destroy_process_group"
-        leave_group()
+        leave_group_and_exit()
     except BaseException:
         (out / f"rank{rank}.err").write_text(
             f"in case {case_name}:\n{traceback.format_exc()}"
         )
         raise
-    os._exit(0)  # every result saved: skip finalization (module docstring)
 
 
 def spawn(fn, args, nprocs, out_dir):
