@@ -149,10 +149,13 @@ def norm_lower_bound(S: torch.Tensor) -> torch.Tensor:
     With s = max|S|, Ŝ = S/s and x the column of Ŝ with the largest norm,
     returns s·‖Ŝ Ŝᴴ x‖/‖Ŝᴴ x‖ (y = xᴴŜ normalised, s·‖yŜᴴ‖); within a factor
     √d of ‖S‖₂. Returns 0 for S = 0.
+
+    No division is guarded: for S ≠ 0, ‖y‖ ≥ xᴴx = ‖x‖² ≥ 1 up to rounding (x
+    is at least as long as the column holding an entry of modulus 1), and an
+    entry with s = 0 (or NaN) comes out NaN, which the last ``where`` makes 0.
     """
     scale = S.abs().amax(dim=(1, 2))
-    safe_scale = torch.where(scale > 0, scale, 1.0)
-    S_hat = S / as_dtype(_expand(safe_scale, S), S.dtype)
+    S_hat = S / as_dtype(_expand(scale, S), S.dtype)
     squares = (
         torch.view_as_real(S_hat).square().sum(dim=-1)
         if S_hat.is_complex()
@@ -160,12 +163,9 @@ def norm_lower_bound(S: torch.Tensor) -> torch.Tensor:
     )
     column = squares.sum(dim=1).argmax(dim=1)
     x = torch.take_along_dim(S_hat, _expand(column, S), dim=2)[..., 0]
-    y = torch.bmm(x.conj()[:, None, :], S_hat)[:, 0]
-    y_norm = torch.linalg.vector_norm(y, dim=1, keepdim=True)
-    y = y / as_dtype(torch.where(y_norm > 0, y_norm, 1.0), y.dtype)
-    bound = safe_scale * torch.linalg.vector_norm(
-        torch.bmm(y[:, None, :], S_hat.mH)[:, 0], dim=1
-    )
+    y = torch.bmm(_conj(x).unsqueeze(1), S_hat)  # (B, 1, d)
+    y = y / as_dtype(torch.linalg.vector_norm(y, dim=2, keepdim=True), y.dtype)
+    bound = scale * torch.linalg.vector_norm(torch.bmm(y, S_hat.mH), dim=(1, 2))
     return torch.where(scale > 0, bound, 0.0)
 
 

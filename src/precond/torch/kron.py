@@ -691,19 +691,21 @@ def _keep_finite_fits(states, stacks, new, old, lipschitz) -> list[torch.Tensor]
     """The fitted state arrays, but for a stack entry whose fit overflowed (a
     usable but large gradient met by large factors), which keeps its old ones:
     decided on the device, without a host sync. Written into the bucket's
-    ``stacks`` (the factors) and ``states`` (the Lipschitz estimates)."""
+    ``stacks`` (the factors, selected into them in place) and ``states`` (the
+    Lipschitz estimates); returns the factors in ``old``'s dtypes."""
     fitted = finite_entries(new + lipschitz)
-    kept = [
-        torch.where(km._expand(fitted, F), F, before)
-        for F, before in zip(new, old, strict=True)
-    ]
+    for stack, F in zip(stacks.factors, new, strict=True):
+        # F holds values of the stack's dtype (``stored``): its cast is exact.
+        F = as_dtype(F, stack.dtype)
+        torch.where(km._expand(fitted, F), F, stack, out=stack)
     for i, state in enumerate(states):
         for axis, L in enumerate(lipschitz):
             estimate = state[LIPSCHITZ][axis]
             estimate.copy_(torch.where(fitted[i], L[i], estimate))
-    for stack, F in zip(stacks.factors, kept, strict=True):
-        stack.copy_(F)
-    return kept
+    return [
+        as_dtype(stack, before.dtype)
+        for stack, before in zip(stacks.factors, old, strict=True)
+    ]
 
 
 def _preconditioned(stored_factors, mu_hat, group) -> torch.Tensor:
