@@ -561,7 +561,7 @@ class Kron(CheckedOptimizer):
             )
         factor_dtype = stacks.factors[0].dtype
         new = [as_dtype(stored(Q, cache, factor_dtype), mu_hat.dtype) for Q in factors]
-        return _keep_finite_fits(states, stacks, new, stored_factors, lipschitz)
+        return _keep_finite_fits(states, stacks, new, lipschitz)
 
     def _seeded_randomness(self, bucket, states, factors, mu_hat):
         """(factors, V) of a seeded fit: the factors balanced when the step's
@@ -687,24 +687,23 @@ def _fit_gen2(group, states, factors, target, noise, mu_hat):
     )
 
 
-def _keep_finite_fits(states, stacks, new, old, lipschitz) -> list[torch.Tensor]:
+def _keep_finite_fits(states, stacks, new, lipschitz) -> list[torch.Tensor]:
     """The fitted state arrays, but for a stack entry whose fit overflowed (a
     usable but large gradient met by large factors), which keeps its old ones:
-    decided on the device, without a host sync. Written into the bucket's
-    ``stacks`` (the factors, selected into them in place) and ``states`` (the
-    Lipschitz estimates); returns the factors in ``old``'s dtypes."""
+    decided on the device, without a host sync. Selected in place into the
+    bucket's ``stacks`` (the factors) and ``states`` (the Lipschitz estimates);
+    returns the factors in ``new``'s (working) dtype."""
     fitted = finite_entries(new + lipschitz)
     for stack, F in zip(stacks.factors, new, strict=True):
         # F holds values of the stack's dtype (``stored``): its cast is exact.
-        F = as_dtype(F, stack.dtype)
-        torch.where(km._expand(fitted, F), F, stack, out=stack)
+        F_stored = as_dtype(F, stack.dtype)
+        torch.where(km._expand(fitted, F_stored), F_stored, stack, out=stack)
     for i, state in enumerate(states):
         for axis, L in enumerate(lipschitz):
             estimate = state[LIPSCHITZ][axis]
             estimate.copy_(torch.where(fitted[i], L[i], estimate))
     return [
-        as_dtype(stack, before.dtype)
-        for stack, before in zip(stacks.factors, old, strict=True)
+        as_dtype(stack, F.dtype) for stack, F in zip(stacks.factors, new, strict=True)
     ]
 
 
