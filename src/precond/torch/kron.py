@@ -614,16 +614,19 @@ def _momentum_step(
     b1 = group["b1"]
     for state in states:
         state[STEP] += 1
-    grads = _stacked(
-        [all_grads[index] for _, _, index in bucket], momenta.dtype, momenta.shape[1:]
+    # Each state's momentum is its entry's view of ``momenta``: one fused
+    # call updates the stack without first copying the gradients into one.
+    grads = [
+        as_shape(as_dtype(all_grads[index], momenta.dtype), momenta.shape[1:])
+        for _, _, index in bucket
+    ]
+    torch._foreach_lerp_(  # pyright: ignore[reportPrivateImportUsage]
+        [state[MOMENTUM] for state in states], grads, 1 - b1
     )
-    momenta.lerp_(grads, 1 - b1)
+    # With β₁ = 0 the lerp set m = g exactly, and m̂ = m/1.
+    correction = 1 - b1 ** states[0][STEP] if b1 > 0 else 1.0
     stacked_shape = (len(bucket), *shape)
-    if b1 > 0:
-        correction = 1 - b1 ** states[0][STEP]
-        mu_hat = as_dtype(as_shape(momenta, stacked_shape), dtype) / correction
-    else:
-        mu_hat = as_dtype(as_shape(grads, stacked_shape), dtype)
+    mu_hat = as_dtype(as_shape(momenta, stacked_shape), dtype) / correction
     if group["store_debiased_momentum"]:
         momenta.copy_(mu_hat.reshape(momenta.shape))
     return mu_hat
