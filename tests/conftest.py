@@ -11,8 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # with its optimizations off (the whole suite: 9% less time). The properties
 # tested (float64 references, identities, sharded == unsharded, resume ==
 # uninterrupted) do not depend on them. Set in the environment, so the
-# processes the tests start inherit it. Tests marked `optimized_xla`, which run
-# thousands of steps, turn them back on (_xla_optimizations_for_long_runs).
+# processes the tests start inherit it. Tests marked `optimized_xla` (those that
+# run thousands of steps, and bitwise comparisons of two programs) turn them
+# back on (_optimized_xla).
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimized; `.ci/run`'s
 # bench runs compile every optimizer as a user's program does.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
@@ -60,11 +61,13 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(autouse=True)
-def _xla_optimizations_for_long_runs(request):
+def _optimized_xla(request):
     """Tests marked ``optimized_xla`` compile with JAX_DISABLE_MOST_OPTIMIZATIONS
-    off: Shampoo's 2000-step convergence test runs in 6 s instead of 14 s. The
-    flag is read when a program is compiled, so it is set for the test and
-    restored after it."""
+    off, as users' programs do: Shampoo's 2000-step convergence test runs in 6 s
+    instead of 14 s, and two programs compared bit for bit compute each value
+    once (tests/jax/test_scale_by_shampoo.py says why that matters). The flag
+    is read when a program is compiled, so it is set for the test and restored
+    after it."""
     if request.node.get_closest_marker("optimized_xla") is None:
         yield
         return

@@ -47,6 +47,16 @@ def _trajectory(optimizer, params, grads):
     return updates, states
 
 
+# Bit for bit holds where XLA computes each value once, as every user's compile
+# does (its common-subexpression elimination is on). The suite's unoptimized
+# compile (tests/conftest.py) may compute one value in several fusions, and LLVM
+# contracts multiply-adds into FMAs fusion by fusion: there even one program's
+# update and its stored momentum (the same β₁·m + u) came out one ulp apart
+# (scale_by_shampoo, nesterov=False, the scalar leaf, step 3). So the bitwise
+# comparisons compile as users do.
+BITWISE = pytest.mark.optimized_xla
+
+
 def _assert_bitwise(got, want):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -92,6 +102,7 @@ SCHEDULE = optax.linear_schedule(0.1, 0.01, STEPS)
     ],
     ids=["constant", "schedule", "no-momentum", "adagrad", "rmsprop", "quantized"],
 )
+@BITWISE
 def test_the_alias_is_the_chain_with_the_learning_rate(learning_rate, kwargs):
     """Bit for bit: every update and the Shampoo state after every step."""
     kwargs = dict(block_size=4, start_preconditioning_step=2) | kwargs
@@ -110,6 +121,7 @@ def test_the_alias_is_the_chain_with_the_learning_rate(learning_rate, kwargs):
         _assert_bitwise(got[0], want)
 
 
+@BITWISE
 def test_scale_by_shampoo_returns_the_unscaled_direction():
     """With lr = 1 the alias's update is −(scale_by_shampoo's direction)."""
     params, grads = _tree(0), [_tree(1 + t) for t in range(3)]

@@ -690,6 +690,37 @@ def test_one_bad_gradient_never_poisons_the_state(graft, memory):
             assert np.all(errors < 0.1), (name, errors)
 
 
+# Schedules whose step BAD_AT (state.count 20) recomputes the roots from the
+# statistics it updates (every 4 steps), or keeps the stored roots while it
+# updates the statistics (roots every 3, statistics every 2): the skipped step
+# must leave both as they were either way.
+SKIP_SCHEDULES = {
+    "roots-every-4": dict(preconditioning_compute_steps=4),
+    "roots-every-3-statistics-every-2": dict(
+        preconditioning_compute_steps=3, statistics_compute_steps=2
+    ),
+}
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["float32", "quantized"])
+@pytest.mark.parametrize("schedule", SKIP_SCHEDULES.values(), ids=SKIP_SCHEDULES)
+def test_a_skipped_step_leaves_the_state_as_it_was_on_any_schedule(schedule, memory):
+    """A NaN gradient at a step that recomputes the roots, and at one that
+    keeps them: zero update and the whole state unchanged at that step only."""
+    optimizer = pj.distributed_shampoo(
+        0.1,
+        128,
+        start_preconditioning_step=1,
+        best_effort_memory_usage_reduction=memory,
+        quantize_statistics=memory,
+        **schedule,
+    )
+    run = _bad_step_run(optimizer)
+    _, (_, finite, skipped), _ = run(BAD_AT, *_bad_gradient(np.nan))
+    assert bool(jnp.all(finite))
+    assert np.flatnonzero(skipped).tolist() == [BAD_AT]
+
+
 def test_huge_finite_gradients_keep_the_grafted_norm_and_finite_statistics():
     """Gradients with one entry of 1.5e19 (‖G‖² = 2.25e38 is finite: applied).
 

@@ -161,8 +161,9 @@ def _statistics_weight(config: Config):
     return jnp.where(jnp.asarray(config.beta2) == 1.0, 1.0, 1.0 - config.beta2)
 
 
-def _new_statistics(grads, state, layout: Layout, config: Config):
-    """S ← β2·S + c·G_b ⋅_{¬k} G_b for every block and axis, in stack order."""
+def _new_statistics(grads, state, layout: Layout, config: Config, usable):
+    """S ← β2·S + c·G_b ⋅_{¬k} G_b for every block and axis, in stack order;
+    every S as it was where the step's gradients are not ``usable``."""
     pieces = [[] for _ in layout.keys]
     for g, plan, slots in zip(grads, layout.plans, layout.slots, strict=True):
         if plan is None:
@@ -183,25 +184,26 @@ def _new_statistics(grads, state, layout: Layout, config: Config):
         real = (jnp.arange(previous.shape[0]) < rows)[:, None, None]
         # A statistic that would overflow (a sum with β2 = 1 of huge but finite
         # gradients) keeps its previous value, like a failed root.
-        usable = real & jnp.all(jnp.isfinite(ema), axis=(1, 2), keepdims=True)
-        new = store(jnp.where(usable, ema, previous), old)
+        kept = usable & real & jnp.all(jnp.isfinite(ema), axis=(1, 2), keepdims=True)
+        new = store(jnp.where(kept, ema, previous), old)
         out.append(constrain_stack(new, config.statistics_partition_spec))
     return tuple(out)
 
 
-def _new_preconditioners(statistics, state, layout: Layout, config: Config):
-    """Inverse roots of every stack; a failed root keeps the previous one."""
+def _new_preconditioners(statistics, state, layout: Layout, config: Config, usable):
+    """Inverse roots of every stack; a failed root keeps the previous one, and
+    so does every root where the step's gradients are not ``usable``."""
     roots, errors = [], []
     for (_, p), rows, stats, old in zip(
         layout.keys, layout.rows, statistics, state.preconditioners, strict=True
     ):
         new, error = _stack_roots(load(stats), p, config)
-        usable = jnp.isfinite(error) & (error < config.inverse_failure_threshold)
-        usable = usable & jnp.all(jnp.isfinite(new), axis=(1, 2))
+        kept = usable & jnp.isfinite(error) & (error < config.inverse_failure_threshold)
+        kept = kept & jnp.all(jnp.isfinite(new), axis=(1, 2))
         # Padding rows (a stack split over devices) keep their identity, so the
         # state is a function of the real rows alone (shampoo_state_from_seed).
-        usable = usable & (jnp.arange(new.shape[0]) < rows)
-        new = jnp.where(usable[:, None, None], new, load(old))
+        kept = kept & (jnp.arange(new.shape[0]) < rows)
+        new = jnp.where(kept[:, None, None], new, load(old))
         roots.append(constrain_stack(store(new, old), config.statistics_partition_spec))
         errors.append(error)
     return tuple(roots), tuple(errors)
@@ -247,25 +249,27 @@ def _learning_rates(config: Config, step: jax.Array) -> _LearningRates:
     return _LearningRates(lr, 1.0, lr)
 
 
-def _statistics_step(grads, state, layout: Layout, config: Config):
-    """The statistics after step t: updated when t % statistics_compute_steps = 0."""
+def _statistics_step(grads, state, layout: Layout, config: Config, usable):
+    """The statistics after step t: updated when t % statistics_compute_steps = 0
+    (and the gradients are ``usable``)."""
     if config.statistics_compute_steps == 1:
-        return _new_statistics(grads, state, layout, config)
+        return _new_statistics(grads, state, layout, config, usable)
     return lax.cond(
         state.count % config.statistics_compute_steps == 0,
-        lambda: _new_statistics(grads, state, layout, config),
+        lambda: _new_statistics(grads, state, layout, config, usable),
         lambda: state.statistics,
     )
 
 
 def _roots_step(statistics, state, layout: Layout, config: Config, refresh):
     """(roots, errors per stack) after step t: recomputed when ``refresh`` (t %
-    preconditioning_compute_steps = 0), else the stored roots and zero errors."""
+    preconditioning_compute_steps = 0 and the gradients are usable), else the
+    stored roots and zero errors."""
     if config.preconditioning_compute_steps == 1:
-        return _new_preconditioners(statistics, state, layout, config)
+        return _new_preconditioners(statistics, state, layout, config, refresh)
     return lax.cond(
         refresh,
-        lambda: _new_preconditioners(statistics, state, layout, config),
+        lambda: _new_preconditioners(statistics, state, layout, config, True),
         lambda: (
             state.preconditioners,
             tuple(jnp.zeros(load(s).shape[:1], jnp.float32) for s in statistics),
@@ -375,10 +379,12 @@ def shampoo_update(updates, state: ShampooState, params, config: Config):
         updates,
         "distributed_shampoo",
     )
+    # A skipped step leaves everything as it was (see the docstring).
+    usable = gradients_are_usable(grads)
     with jax.named_scope("precond/shampoo/statistics"):
-        statistics = _statistics_step(grads, state, layout, config)
+        statistics = _statistics_step(grads, state, layout, config, usable)
     with jax.named_scope("precond/shampoo/inverse_roots"):
-        refresh = state.count % config.preconditioning_compute_steps == 0
+        refresh = usable & (state.count % config.preconditioning_compute_steps == 0)
         preconditioners, errors = _roots_step(
             statistics, state, layout, config, refresh
         )
@@ -424,10 +430,32 @@ def shampoo_update(updates, state: ShampooState, params, config: Config):
         preconditioners=preconditioners,
         training_metrics=metrics,
     )
-    # A skipped step leaves everything as it was (see the docstring).
-    usable = gradients_are_usable(grads)
     outputs = jax.tree.map(lambda u: jnp.where(usable, u, jnp.zeros_like(u)), outputs)
-    new_state = jax.tree.map(
-        lambda new, old: jnp.where(usable, new, old), new_state, state
+    return outputs, _as_before_unless(usable, new_state, state)
+
+
+def _as_before_unless(usable, new_state: ShampooState, state: ShampooState):
+    """``new_state`` where the step's gradients are ``usable``, else ``state``.
+
+    The statistics and roots already kept their old values in their own
+    updates: a select over them here would copy every stack on every step (a
+    tenth of a step on the bench's char-lm). A quantized stack is still
+    selected, as re-quantizing its kept values need not give the stored ones."""
+
+    def select(new, old):
+        return jnp.where(usable, new, old)
+
+    stacks = {
+        field: tuple(
+            jax.tree.map(select, new, old) if is_quantized(old) else new
+            for new, old in zip(
+                getattr(new_state, field), getattr(state, field), strict=True
+            )
+        )
+        for field in ("statistics", "preconditioners")
+    }
+    unstacked = {field: () for field in stacks}
+    rest = jax.tree.map(
+        select, new_state._replace(**unstacked), state._replace(**unstacked)
     )
-    return outputs, new_state
+    return rest._replace(**stacks)
