@@ -273,6 +273,47 @@ def test_newton_reports_failure_on_indefinite_input(p):
         assert not float(error) < FAILURE_THRESHOLD, (dtype, float(error))
 
 
+def coupled_newton_reference(A: np.ndarray, p: int, tolerance: float = 1e-6):
+    """(H, e, diverged): the coupled Newton iteration of
+    ``matrix_inverse_pth_root`` in float64 numpy (its docstring), for A already
+    damped: the last H before a step that raised e by more than
+    DIVERGENCE_FACTOR (whose e is reported), else the last H."""
+    identity = np.eye(len(A))
+    z = (1 + p) / (2 * np.linalg.norm(A))
+    m, h = z * A, z ** (1.0 / p) * identity
+    error = np.max(np.abs(m - identity))
+    for _ in range(100):
+        if error <= tolerance:
+            break
+        t = (1 + 1.0 / p) * identity - m / p
+        m = np.linalg.matrix_power(t, p) @ m
+        new_error = np.max(np.abs(m - identity))
+        if not new_error < sm.DIVERGENCE_FACTOR * error:
+            return h, new_error, True
+        h, error = h @ t, new_error
+    return h, error, False
+
+
+@pytest.mark.parametrize("p", POWERS)
+@pytest.mark.parametrize("case", ["indefinite", "spd"])
+def test_newton_keeps_the_root_before_a_diverging_step(case, p):
+    """On an indefinite matrix the iteration diverges (the error rises by more
+    than 1.2×, at the first step for p = 4 and after several for p = 2, 8): the
+    kernel returns the H before that step and the error of the step that
+    diverged, as the float64 reference; on an SPD one, the converged H."""
+    A = indefinite()[0] if case == "indefinite" else spd(8, 1e4)
+    damped_A = A + RIDGE * np.eye(len(A))  # the absolute ridge below
+    want, want_error, diverged = coupled_newton_reference(damped_A, p)
+    assert diverged == (case == "indefinite")
+    with float64():
+        root, error = sm.matrix_inverse_pth_root(
+            jnp.asarray(A), p, ridge_epsilon=RIDGE, relative_matrix_epsilon=False
+        )
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(root), want, rtol=0, atol=1e-9 * scale)
+    np.testing.assert_allclose(float(error), want_error, rtol=1e-6)
+
+
 # --- (1b) edge cases: errors, 1×1, zero, dtypes, transformations --------------
 
 

@@ -260,20 +260,22 @@ def _coupled_newton(damped, p: int, num_iters: int, error_tolerance, precision):
     e0 = jnp.max(jnp.abs(m0 - identity))
 
     def keep_going(carry):
-        i, _, _, _, error, improving = carry
+        i, _, _, error, improving = carry
         return (i < num_iters) & (error > error_tolerance) & improving
 
     def step(carry):
-        i, m, h, _, error, _ = carry
+        i, m, h, error, _ = carry
         t = (1 + 1.0 / p) * identity - m / p
         new_m = _matmul(_matrix_power(t, p, precision), m, precision)
-        new_h = _matmul(h, t, precision)
         new_error = jnp.max(jnp.abs(new_m - identity))
-        return i + 1, new_m, new_h, h, new_error, new_error < DIVERGENCE_FACTOR * error
+        improving = new_error < DIVERGENCE_FACTOR * error
+        # A diverging step ends the loop without updating H, so no copy of the
+        # previous H is carried through every iteration.
+        new_h = jnp.where(improving, _matmul(h, t, precision), h)
+        return i + 1, new_m, new_h, new_error, improving
 
-    carry = (0, m0, h0, h0, e0, jnp.asarray(True))
-    _, m, h, previous_h, _, improving = lax.while_loop(keep_going, step, carry)
-    root = jnp.where(improving, h, previous_h)
+    carry = (0, m0, h0, e0, jnp.asarray(True))
+    _, m, root, _, _ = lax.while_loop(keep_going, step, carry)
     return root, jnp.max(jnp.abs(m - identity)).astype(jnp.float32)
 
 
