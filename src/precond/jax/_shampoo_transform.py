@@ -438,9 +438,9 @@ def _as_before_unless(usable, new_state: ShampooState, state: ShampooState):
     """``new_state`` where the step's gradients are ``usable``, else ``state``.
 
     The statistics and roots already kept their old values in their own
-    updates: a select over them here would copy every stack on every step (a
-    tenth of a step on the bench's char-lm). A quantized stack is still
-    selected, as re-quantizing its kept values need not give the stored ones."""
+    updates: a select over them here would copy every stack on every step. A
+    quantized stack is still selected, as re-quantizing its kept values need
+    not give the stored ones."""
 
     def select(new, old):
         return jnp.where(usable, new, old)
