@@ -47,7 +47,7 @@ from precond.jax._shampoo_state import (
     store,
     store_momentum,
 )
-from precond.jax._step_policy import next_count
+from precond.jax._step_policy import next_count, state_unless_skipped
 
 # ------------------------------------------------------------ statistics and roots
 
@@ -442,12 +442,9 @@ def _as_before_unless(usable, new_state: ShampooState, state: ShampooState):
     quantized stack is still selected, as re-quantizing its kept values need
     not give the stored ones."""
 
-    def select(new, old):
-        return jnp.where(usable, new, old)
-
     stacks = {
         field: tuple(
-            jax.tree.map(select, new, old) if is_quantized(old) else new
+            state_unless_skipped(usable, new, old) if is_quantized(old) else new
             for new, old in zip(
                 getattr(new_state, field), getattr(state, field), strict=True
             )
@@ -455,7 +452,7 @@ def _as_before_unless(usable, new_state: ShampooState, state: ShampooState):
         for field in ("statistics", "preconditioners")
     }
     unstacked = {field: () for field in stacks}
-    rest = jax.tree.map(
-        select, new_state._replace(**unstacked), state._replace(**unstacked)
+    rest = state_unless_skipped(
+        usable, new_state._replace(**unstacked), state._replace(**unstacked)
     )
     return rest._replace(**stacks)
