@@ -51,9 +51,10 @@ def _trajectory(optimizer, params, grads):
 # does (its common-subexpression elimination is on). The suite's unoptimized
 # compile (tests/conftest.py) may compute one value in several fusions, and LLVM
 # contracts multiply-adds into FMAs fusion by fusion: there even one program's
-# update and its stored momentum (the same β₁·m + u) came out one ulp apart
-# (scale_by_shampoo, nesterov=False, the scalar leaf, step 3). So the bitwise
-# comparisons compile as users do.
+# update and its stored momentum (the same β₁·m + u, nesterov=False) came out
+# one ulp apart (distributed_shampoo(1.0): leaf w at steps 2 and 3; before an
+# unrelated change to the step, scale_by_shampoo's scalar leaf at step 3). So
+# the bitwise comparisons compile as users do.
 BITWISE = pytest.mark.optimized_xla
 
 
