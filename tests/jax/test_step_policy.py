@@ -4,6 +4,7 @@ squares overflow) skipped without touching the state."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 import precond.jax as pj
 from precond.jax import _step_policy as policy
+from precond.jax.pro import BALANCE_EVERY
 
 
 def _key_data(key):
@@ -78,6 +80,14 @@ def test_skipped_step_returns_zeros_and_the_old_state():
     for usable, want in ((False, old), (True, new)):
         got = policy.state_unless_skipped(jnp.asarray(usable), new, old)
         jax.tree.map(np.testing.assert_array_equal, got, want)
+    # A field whose update already kept its old value is taken as it is.
+    pair = collections.namedtuple("pair", "small large")
+    old, new = pair(jnp.int32(1), jnp.zeros(3)), pair(jnp.int32(2), jnp.ones(3))
+    got = policy.fields_unless_skipped(
+        jnp.asarray(False), new, old, already_kept=("large",)
+    )
+    assert int(got.small) == 1
+    np.testing.assert_array_equal(got.large, np.ones(3))
 
 
 def test_overflowed_fit_keeps_the_old_factors():
@@ -188,6 +198,16 @@ def test_unusable_step_returns_zeros_and_keeps_every_state_leaf(name, bad):
             assert u.dtype == jnp.float32
             np.testing.assert_array_equal(u, np.zeros(u.shape, np.float32))
         _assert_bitwise_equal(new_state, state)
+
+
+@pytest.mark.parametrize("bad", BAD_ENTRIES.values(), ids=list(BAD_ENTRIES))
+def test_pro_skipping_the_step_that_would_rebalance_keeps_its_factors(bad):
+    # pro rebalances its two-sided factors every BALANCE_EVERY steps, fit or not;
+    # the step that would be number BALANCE_EVERY is skipped here.
+    _, update = _jitted("pro")
+    _, state = _run("pro", [_gradient(n) for n in range(1, BALANCE_EVERY)])
+    _, new_state = update(_bad_gradient(9, bad), state, _params())
+    _assert_bitwise_equal(new_state, state)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

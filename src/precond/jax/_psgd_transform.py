@@ -71,9 +71,9 @@ from precond.jax._psgd_placement import (
     unpadded_factors,
 )
 from precond.jax._step_policy import (
+    fields_unless_skipped,
     keep_if_overflowed,
     next_count,
-    state_unless_skipped,
     step_is_usable,
     zeros_unless_usable,
 )
@@ -422,16 +422,22 @@ def fit_if(
     fit: Callable[[Any, jax.Array | None], Any],
 ) -> tuple[Any, jax.Array, jax.Array]:
     """(factors, key, fitted): ``fit(factors, fit_key)`` when ``fit_now``, else
-    the factors as they are. A fit splits its subkey off ``key`` when the
-    preconditioner uses one; a fit that overflows keeps the old factors
+    the factors as they are (no copy). A fit splits its subkey off ``key`` when
+    the preconditioner uses one; a fit that overflows keeps the old factors
     (``fitted`` is False then)."""
     fit_key = None
     if preconditioner.fit_uses_key:
         key_after_fit, fit_key = jax.random.split(key)
         key = jnp.where(fit_now, key_after_fit, key)
-    new = jax.lax.cond(fit_now, lambda f: fit(f, fit_key), lambda f: f, factors)
-    fitted = all_finite(new)
-    return keep_if_overflowed(new, factors), key, fitted
+
+    def fitted_or_kept(old):
+        new = fit(old, fit_key)
+        return keep_if_overflowed(new, old), all_finite(new)
+
+    factors, fitted = jax.lax.cond(
+        fit_now, fitted_or_kept, lambda old: (old, jnp.asarray(True)), factors
+    )
+    return factors, key, fitted
 
 
 def momentum_estimate(
@@ -531,7 +537,14 @@ def scale_by_psgd(
             updates=state.updates + (fit_now & fitted).astype(jnp.int32),
         )
         U = placed_like_params(zeros_unless_usable(usable, U, updates), plan)
-        return U, state_unless_skipped(usable, placed_state(new_state, plan), state)
+        # The factors are fitted only on a usable step (fit_now): a select over
+        # them would copy every factor on every step.
+        return U, fields_unless_skipped(
+            usable,
+            placed_state(new_state, plan),
+            state,
+            already_kept=("preconditioner",),
+        )
 
     # optax's OptState (chex.ArrayTree) admits neither a None leaf (PSGDState.mu
     # without momentum) nor a state type narrower than any ArrayTree.

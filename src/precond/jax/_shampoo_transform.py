@@ -47,7 +47,11 @@ from precond.jax._shampoo_state import (
     store,
     store_momentum,
 )
-from precond.jax._step_policy import next_count, state_unless_skipped
+from precond.jax._step_policy import (
+    fields_unless_skipped,
+    next_count,
+    state_unless_skipped,
+)
 
 # ------------------------------------------------------------ statistics and roots
 
@@ -441,18 +445,16 @@ def _as_before_unless(usable, new_state: ShampooState, state: ShampooState):
     updates: a select over them here would copy every stack on every step. A
     quantized stack is still selected, as re-quantizing its kept values need
     not give the stored ones."""
-
-    stacks = {
-        field: tuple(
-            state_unless_skipped(usable, new, old) if is_quantized(old) else new
-            for new, old in zip(
-                getattr(new_state, field), getattr(state, field), strict=True
+    stacks = ("statistics", "preconditioners")
+    guarded = fields_unless_skipped(usable, new_state, state, already_kept=stacks)
+    return guarded._replace(
+        **{
+            field: tuple(
+                state_unless_skipped(usable, new, old) if is_quantized(old) else new
+                for new, old in zip(
+                    getattr(new_state, field), getattr(state, field), strict=True
+                )
             )
-        )
-        for field in ("statistics", "preconditioners")
-    }
-    unstacked = {field: () for field in stacks}
-    rest = state_unless_skipped(
-        usable, new_state._replace(**unstacked), state._replace(**unstacked)
+            for field in stacks
+        }
     )
-    return rest._replace(**stacks)

@@ -20,9 +20,10 @@ working precision. NaN, ±Inf and finite entries so large that their squares
 overflow (|g| ≳ 1.8e19 in float32) make it unusable: such a gradient would
 overflow the second moments (G·Gᴴ) that the preconditioners fit. An unusable
 step returns zero updates (:func:`zeros_unless_usable`) and leaves the whole
-state as it was (:func:`state_unless_skipped`). A fit that still overflows on a
-usable step keeps the old factors (:func:`keep_if_overflowed`); the rest of the
-step goes on.
+state as it was (:func:`state_unless_skipped`; :func:`fields_unless_skipped`
+where the large fields kept their old values in their own update). A fit that
+still overflows on a usable step keeps the old factors
+(:func:`keep_if_overflowed`); the rest of the step goes on.
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ def state_unless_skipped(usable: jax.Array, new_state: Any, old_state: Any) -> A
     return jax.tree.map(
         lambda new, old: jnp.where(usable, new, old), new_state, old_state
     )
+
+
+def fields_unless_skipped(
+    usable: jax.Array, new_state: Any, old_state: Any, already_kept: tuple[str, ...]
+) -> Any:
+    """:func:`state_unless_skipped` over every field of the NamedTuple
+    ``new_state`` except those named in ``already_kept``, taken from
+    ``new_state`` as they are: their update already kept the old values on a
+    skipped step, and a select over them would copy them on every step."""
+    kept = {field: getattr(new_state, field) for field in already_kept}
+    empty = dict.fromkeys(already_kept, ())
+    rest = state_unless_skipped(
+        usable, new_state._replace(**empty), old_state._replace(**empty)
+    )
+    return rest._replace(**kept)
 
 
 def keep_if_overflowed(new: Any, old: Any) -> Any:

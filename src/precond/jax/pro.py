@@ -70,9 +70,9 @@ from precond.jax._kron_arguments import check_partition_specs_tree
 from precond.jax._kron_sharding import is_box
 from precond.jax._psgd_transform import arguments_for, with_auto_axes
 from precond.jax._step_policy import (
+    fields_unless_skipped,
     keep_if_overflowed,
     next_count,
-    state_unless_skipped,
     step_is_usable,
     step_key,
     zeros_unless_usable,
@@ -387,7 +387,8 @@ def _unit_keys(stack: _Stack, stream_sizes: dict, count, pipeline_spec) -> jax.A
 
 def _fit_stack(stack, keys, factors, lipschitz, G, balance, do_fit, recipe):
     """(factors, lipschitz, P·G) of one stack: balanced (two sides, when
-    ``balance``), then fitted unit by unit when ``do_fit``, else only applied."""
+    ``balance``), then fitted unit by unit when ``do_fit``, else only applied
+    (a skipped step has neither, so its factors stay as they were)."""
     if len(factors) == 2:
         factors = jax.lax.cond(
             balance,
@@ -410,15 +411,15 @@ def _fit_stack(stack, keys, factors, lipschitz, G, balance, do_fit, recipe):
         PG = jax.vmap(lambda f, g: km.precondition(list(f), g))(factors, G)
         return factors, lipschitz, PG
 
-    if recipe.always_fit:
-        return fitted(factors, lipschitz)
     return jax.lax.cond(do_fit, fitted, kept, factors, lipschitz)
 
 
-def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, recipe):
-    """(factors, lipschitz, pieces): every stack fitted (factors rebalanced
-    every ``BALANCE_EVERY`` steps), and per leaf its regions' blocks of P·m̂."""
-    balance = count % BALANCE_EVERY == 0
+def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, usable, recipe):
+    """(factors, lipschitz, pieces): every stack fitted when ``do_fit`` (factors
+    rebalanced every ``BALANCE_EVERY`` steps), and per leaf its regions' blocks
+    of P·m̂; the factors as they were where the step is not ``usable``."""
+    balance = usable & (count % BALANCE_EVERY == 0)
+    do_fit = usable & do_fit
     spec = recipe.pipeline_spec
     pieces: dict[int, list] = {}
     new_factors, new_lipschitz = [], []
@@ -475,7 +476,7 @@ def _step(grads, state: ProState, plan: _Plan, treedef, recipe: _Recipe):
     ]
     do_fit, update_counter = _fit_decision(count, state.update_counter, recipe)
     factors, lipschitz, pieces = _fit_all_stacks(
-        plan, state, views, count, do_fit, recipe
+        plan, state, views, count, do_fit, usable, recipe
     )
     if mu is not None:
         mu = _constrain(treedef.unflatten(mu), recipe.params_partition_specs)
@@ -487,8 +488,10 @@ def _step(grads, state: ProState, plan: _Plan, treedef, recipe: _Recipe):
         update_counter=update_counter,
     )
     updates = _clipped_updates(grads, plan, pieces, recipe)
-    return zeros_unless_usable(usable, updates, grads), state_unless_skipped(
-        usable, new_state, state
+    # The factors kept their old values in their own update (_fit_all_stacks):
+    # a select over them would copy every factor on every step.
+    return zeros_unless_usable(usable, updates, grads), fields_unless_skipped(
+        usable, new_state, state, already_kept=("factors", "lipschitz")
     )
 
 
