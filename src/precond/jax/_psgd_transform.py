@@ -457,6 +457,17 @@ def momentum_estimate(
     return jax.tree.map(lambda m, old: m.astype(old.dtype), moment, mu), m_hat
 
 
+def _guarded_output(usable, U, updates, new_state: PSGDState, state, plan):
+    """(U, new state) placed on the mesh, or zeros and ``state`` where the step
+    is not ``usable``. The factors are taken as they are: they were fitted only
+    on a usable step (``fit_now``), and a select over them would copy every
+    factor on every step."""
+    U = placed_like_params(zeros_unless_usable(usable, U, updates), plan)
+    new_state = placed_state(new_state, plan)
+    kept = ("preconditioner",)
+    return U, fields_unless_skipped(usable, new_state, state, already_kept=kept)
+
+
 def clip_to_global_norm(U: Any, max_norm: float | None) -> Any:
     """U scaled down to global norm ``max_norm`` if above it (None: U)."""
     if max_norm is None:
@@ -536,15 +547,7 @@ def scale_by_psgd(
             preconditioner=factors,
             updates=state.updates + (fit_now & fitted).astype(jnp.int32),
         )
-        U = placed_like_params(zeros_unless_usable(usable, U, updates), plan)
-        # The factors are fitted only on a usable step (fit_now): a select over
-        # them would copy every factor on every step.
-        return U, fields_unless_skipped(
-            usable,
-            placed_state(new_state, plan),
-            state,
-            already_kept=("preconditioner",),
-        )
+        return _guarded_output(usable, U, updates, new_state, state, plan)
 
     # optax's OptState (chex.ArrayTree) admits neither a None leaf (PSGDState.mu
     # without momentum) nor a state type narrower than any ArrayTree.
