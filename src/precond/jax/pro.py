@@ -349,18 +349,18 @@ def _momentum(grads, mu, count, recipe: _Recipe) -> tuple[list | None, list]:
     return mu, momentum
 
 
-def _fit_decision(count, update_counter, recipe: _Recipe):
+def _fit_decision(count, update_counter, usable, recipe: _Recipe):
     """(fit now, steps since the last fit): the first step always fits (the
-    factors start as identities), then once 1/p steps have passed."""
+    factors start as identities), then once 1/p steps have passed; never on a
+    step that is not ``usable`` (a skipped step)."""
     update_counter = update_counter + 1
     if recipe.always_fit:
-        do_fit = jnp.asarray(True)
+        do_fit = usable
     else:
         prob = recipe.update_probability
         prob = prob(count) if callable(prob) else prob
-        do_fit = (count == 1) | (
-            update_counter.astype(jnp.float32) >= 1.0 / jnp.asarray(prob, jnp.float32)
-        )
+        due = update_counter.astype(jnp.float32) >= 1.0 / jnp.asarray(prob, jnp.float32)
+        do_fit = usable & ((count == 1) | due)
     return do_fit, jnp.where(do_fit, 0, update_counter)
 
 
@@ -416,10 +416,9 @@ def _fit_stack(stack, keys, factors, lipschitz, G, balance, do_fit, recipe):
 
 def _fit_all_stacks(plan: _Plan, state: ProState, views, count, do_fit, usable, recipe):
     """(factors, lipschitz, pieces): every stack fitted when ``do_fit`` (factors
-    rebalanced every ``BALANCE_EVERY`` steps), and per leaf its regions' blocks
-    of P·m̂; the factors as they were where the step is not ``usable``."""
+    rebalanced every ``BALANCE_EVERY`` steps of a ``usable`` step), and per leaf
+    its regions' blocks of P·m̂."""
     balance = usable & (count % BALANCE_EVERY == 0)
-    do_fit = usable & do_fit
     spec = recipe.pipeline_spec
     pieces: dict[int, list] = {}
     new_factors, new_lipschitz = [], []
@@ -474,7 +473,7 @@ def _step(grads, state: ProState, plan: _Plan, treedef, recipe: _Recipe):
         None if merged is None else m.reshape((B, *merged))
         for m, B, merged in zip(momentum, plan.batch, plan.merged, strict=True)
     ]
-    do_fit, update_counter = _fit_decision(count, state.update_counter, recipe)
+    do_fit, update_counter = _fit_decision(count, state.update_counter, usable, recipe)
     factors, lipschitz, pieces = _fit_all_stacks(
         plan, state, views, count, do_fit, usable, recipe
     )
