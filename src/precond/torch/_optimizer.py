@@ -27,6 +27,19 @@ def seeded_generator(device: torch.device, *integers: int) -> torch.Generator:
     return generator
 
 
+def eager_step(step: Callable) -> Callable:
+    """An optimizer's ``step``, left out of ``torch.compile``'s tracing: under
+    ``torch.compile(optimizer.step)``, or a compiled training step that calls
+    it, it runs eagerly as written (the compiled code breaks its graph there).
+
+    Traced, the step broke into dozens of graphs (it branches on host values:
+    the usable-gradients check, the fit schedule) whose per-bucket Python
+    dynamo re-specialised bucket by bucket, past its recompile limit, and it
+    ran slower than eagerly (``benchmarks/compiled_step.py``). What the step
+    compiles itself (``compile_kernels``) is still compiled."""
+    return torch.compiler.disable(step)
+
+
 def closure_loss(closure: Callable[[], Any] | None) -> Any:
     """``closure()`` with gradients enabled (an optimizer's ``step(closure)``), or
     None without a closure."""

@@ -66,6 +66,7 @@ from precond.torch._optimizer import (
     check_lr,
     closure_loss,
     copy_to_device,
+    eager_step,
     finite_entries,
     gradient_entries,
     group_defaults,
@@ -325,6 +326,7 @@ class Kron(CheckedOptimizer):
         for p in group["params"]:
             _check_parameter(p)
 
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""

@@ -209,6 +209,7 @@ class Pro(shared.CheckedOptimizer):
                     "floating parameters"
                 )
 
+    @shared.eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""

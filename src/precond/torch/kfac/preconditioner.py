@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from precond.torch._dtensor import dtensors_supported, looks_like_dtensor
+from precond.torch._optimizer import eager_step
 from precond.torch._profiling import profiled_stage
 from precond.torch.kfac.arguments import (
     _ARGUMENT_CHECKS as _ARGUMENT_CHECKS,  # re-exported: docs/make_arguments.py
@@ -470,6 +471,7 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             layer.add_g(output_grad_covariance(layer.module, g, divisor))
 
     # -- step --
+    @eager_step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Preconditions the gradients of the registered layers in place.
