@@ -15,7 +15,7 @@ warm-up's seconds (its steps and compiles).
 
 Usage::
 
-    python benchmarks/compiled_step.py            # ~5 min on 2 cores
+    python benchmarks/compiled_step.py            # ~3 min on 2 cores
     python benchmarks/compiled_step.py --quick    # smoke run
 """
 
