@@ -15,8 +15,9 @@ The model has a 63-wide layer (dim 0 does not divide 2 or 4: shards of 16, 16,
 shard) and a one-element scale (fully_shard refuses 0-dim parameters: with 4
 ranks three hold nothing), and a parameter that never gets a gradient. A NaN
 in rank 0's rows at step NAN_STEP makes every rank skip that step, as the single
-process does; a run resumed from a step-RESUME_AT ``state_dict`` must end
-bitwise where the uninterrupted one does.
+process does; a run resumed from a step-RESUME_AT ``state_dict``, and one resumed
+from a ``torch.distributed.checkpoint`` checkpoint of ``get_optimizer_state_dict``
+(parameter names for keys), must end bitwise where the uninterrupted one does.
 
 Measured max relative difference (max |distributed − single| / max |single|, per
 parameter, over all cases and ranks, 2 and 4 ranks): float64 7e-16, float32
@@ -26,6 +27,7 @@ parameter, over all cases and ranks, 2 and 4 ranks): float64 7e-16, float32
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -116,10 +118,29 @@ def local_values(model):
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
+def resume(model, saved_params, case_name, load):
+    """A fresh optimizer on ``model`` with its parameters set back to
+    ``saved_params``, its state from ``load(optimizer)``."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.to_local().copy_(saved_params[n])
+    optimizer = optimizer_for(model.parameters(), case_name)
+    load(optimizer)
+    return optimizer
+
+
 def run_case(case_name, rank, world_size, out_dir):
-    """FSDP2 training of one case, and the same steps again from the state_dict
-    saved after step RESUME_AT. Returns what the parent checks."""
-    del out_dir  # the result is returned
+    """FSDP2 training of one case, and the same steps again from the state saved
+    after step RESUME_AT: its state_dict, and a torch.distributed.checkpoint
+    checkpoint of get_optimizer_state_dict (parameter names for keys, each rank
+    writing its own state). Returns what the parent checks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -136,6 +157,11 @@ def run_case(case_name, rank, world_size, out_dir):
     train(model, optimizer, dtype_name, rows, range(RESUME_AT))
     saved_params = local_values(model)
     saved_state = copy.deepcopy(optimizer.state_dict())
+    checkpoint = os.path.join(out_dir, f"checkpoint-{case_name}")
+    dcp.save(
+        {"optimizer": get_optimizer_state_dict(model, optimizer)},
+        checkpoint_id=checkpoint,
+    )
     train(model, optimizer, dtype_name, rows, range(RESUME_AT, STEPS))
     final = local_values(model)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -147,13 +173,33 @@ def run_case(case_name, rank, world_size, out_dir):
             names[id(p)]: tuple(s["momentum"].shape) for p, s in optimizer.state.items()
         },
     }
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.to_local().copy_(saved_params[n])
-    resumed = optimizer_for(model.parameters(), case_name)
-    resumed.load_state_dict(saved_state)
-    train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
-    result["resumed"] = local_values(model)
+
+    def from_checkpoint(fresh):
+        # The fresh optimizer's state, which DCP makes with a step at lr 0
+        # where no parameter has a gradient (as in a new process), is the
+        # template that dcp.load fills. That step gives the parameter without
+        # a gradient a state the checkpoint lacks (as any torch optimizer's):
+        # a partial load keeps it.
+        model.zero_grad(set_to_none=True)
+        loaded = {"optimizer": get_optimizer_state_dict(model, fresh)}
+        dcp.load(
+            loaded,
+            checkpoint_id=checkpoint,
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        )
+        # ShardedPreconditioning: each rank holds (and loads) its own
+        # parameters' state only, which DCP's strict check refuses.
+        options = StateDictOptions(strict=not CASES[case_name][1])
+        set_optimizer_state_dict(model, fresh, loaded["optimizer"], options=options)
+
+    loads = {
+        "resumed": lambda fresh: fresh.load_state_dict(saved_state),
+        "resumed_dcp": from_checkpoint,
+    }
+    for key, load in loads.items():
+        resumed = resume(model, saved_params, case_name, load)
+        train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
+        result[key] = local_values(model)
     return result
 
 
@@ -194,9 +240,10 @@ def check_case(results, case_name):
             chunks = torch.chunk(value, len(results))
             chunk = chunks[rank] if rank < len(chunks) else value[:0]
             assert torch.equal(result["local"][name], chunk), (rank, name)
-            assert torch.equal(result["resumed"][name], result["local"][name]), (
-                f"rank {rank}, {name}: a run resumed from the state_dict differs"
-            )
+            for resumed in ("resumed", "resumed_dcp"):
+                assert torch.equal(result[resumed][name], result["local"][name]), (
+                    f"rank {rank}, {name}: the run {resumed} differs"
+                )
     for name, value in reference.items():  # trained ones moved, 'unused' did not
         assert (not torch.equal(value, initial[name].detach())) == (name != "unused")
     stateful = [set(result["stateful"]) for result in results]

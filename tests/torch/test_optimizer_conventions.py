@@ -322,20 +322,47 @@ def test_add_param_group_fills_defaults_steps_the_new_group_and_refuses_bad_valu
     assert len(optimizer.param_groups) == 2
 
 
-def test_state_dict_round_trip_continues_bit_identically(optimizer_class):
+class _Holder(torch.nn.Module):
+    """A module whose parameters are ``params`` (named params.0, params.1, ...)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
+
+
+def _load_through(how, optimizer, params, restored, twin):
+    """``optimizer``'s state into ``restored``: saved and loaded with
+    ``torch.save``, or keyed by parameter names with
+    ``torch.distributed.checkpoint``'s get/set_optimizer_state_dict (FSDP2's
+    way; without a process group it needs none)."""
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        buffer.seek(0)
+        restored.load_state_dict(torch.load(buffer, weights_only=True))
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    saved = get_optimizer_state_dict(_Holder(params), optimizer)
+    assert set(saved["state"]) == {f"params.{i}" for i in range(len(params))}
+    set_optimizer_state_dict(_Holder(twin), restored, saved)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "distributed.checkpoint"])
+def test_state_dict_round_trip_continues_bit_identically(optimizer_class, how):
     params, twin = _params(), _params()
     optimizer = _make(optimizer_class, params, lr=LR, weight_decay=0.1)
     grads = _grads(6)
     for g in grads[:3]:
         _step(optimizer, params, g)
-    buffer = io.BytesIO()
-    torch.save(optimizer.state_dict(), buffer)
-    buffer.seek(0)
     with torch.no_grad():
         for p, q in zip(twin, params, strict=True):
             p.copy_(q)
     restored = _make(optimizer_class, twin, lr=LR, weight_decay=0.1)
-    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    _load_through(how, optimizer, params, restored, twin)
     for g in grads[3:]:
         _step(optimizer, params, g)
         _step(restored, twin, g)

@@ -175,6 +175,19 @@ def group_defaults(arguments: dict[str, Any], table) -> dict[str, Any]:
     return {name: arguments[name] for name, _ in table}
 
 
+def saved_parameters(
+    param_groups: list[dict], state_dict: dict[str, Any]
+) -> dict[Any, torch.Tensor]:
+    """Each key that ``state_dict``'s groups list (a parameter's index, or the
+    name ``torch.distributed.checkpoint`` gives it) → the parameter at the same
+    place in ``param_groups``, as torch's ``load_state_dict`` pairs them."""
+    return {
+        key: p
+        for saved, group in zip(state_dict["param_groups"], param_groups, strict=True)
+        for key, p in zip(saved["params"], group["params"], strict=True)
+    }
+
+
 def copy_to_device(value: Any, device: torch.device) -> Any:
     """A copy of a tensor, or of a (nested) list of tensors, on ``device``."""
     if isinstance(value, torch.Tensor):
@@ -201,6 +214,24 @@ class CheckedOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+
+    def _load_keeping_dtypes(
+        self, state_dict: dict[str, Any], kept: tuple[str, ...]
+    ) -> None:
+        """torch's ``load_state_dict``, then the ``kept`` entries of each
+        parameter's state as saved (copied to its device): torch would cast
+        them to the parameter's dtype. The state's keys are found through the
+        saved groups (:func:`saved_parameters`)."""
+        params = saved_parameters(self.param_groups, state_dict)
+        saved = {
+            key: {name: entry[name] for name in kept if name in entry}
+            for key, entry in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        for key, entries in saved.items():
+            p = params[key]
+            for name, value in entries.items():
+                self.state[p][name] = copy_to_device(value, p.device)
 
     def _check_param_group(self, group: dict[str, Any]) -> None:
         """Raises for a group's bad hyperparameter or parameter."""

@@ -65,7 +65,6 @@ from precond.torch._optimizer import (
     check_arguments,
     check_lr,
     closure_loss,
-    copy_to_device,
     eager_step,
     finite_entries,
     gradient_entries,
@@ -340,10 +339,7 @@ class Kron(CheckedOptimizer):
             return loss
         grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
         draws = None if self.seed is not None else self._global_draws(entries)
-        owners = self.strategy.assign(
-            [p for _, p, _ in entries],
-            [cost(p.shape, group) for group, p, _ in entries],
-        )
+        owners = self._owners(entries)
         updates: dict[int, torch.Tensor] = {}
         rank = self.strategy.rank
         mine = [e for e, owner in zip(entries, owners, strict=True) if owner == rank]
@@ -358,6 +354,17 @@ class Kron(CheckedOptimizer):
         with profiled_stage("precond/kron/apply_updates"):
             self._apply(entries, shared)
         return loss
+
+    def _owners(self, entries) -> list[int]:
+        """The rank that computes each entry's update. The strategy shares out
+        all the optimizer's parameters, not only this step's with gradients:
+        a parameter whose gradient is missing on some steps (a branch a batch
+        did not reach) moves no other parameter, or its state, to another rank."""
+        params = [(group, p) for group in self.param_groups for p in group["params"]]
+        owners = self.strategy.assign(
+            [p for _, p in params], [cost(p.shape, group) for group, p in params]
+        )
+        return [owners[index] for _, _, index in entries]
 
     def _apply(self, entries, updates) -> None:
         """θ ← θ − lr·(clipped update with weight decay), per group's
@@ -445,17 +452,7 @@ class Kron(CheckedOptimizer):
         defaults.
         """
         self._check_state_dict(state_dict)
-        kept = (FACTORS, MOMENTUM, LIPSCHITZ)
-        saved = {
-            index: {key: entry[key] for key in kept if key in entry}
-            for index, entry in state_dict["state"].items()
-        }
-        super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, entries in saved.items():
-            p = params[index]
-            for key, value in entries.items():
-                self.state[p][key] = copy_to_device(value, p.device)
+        self._load_keeping_dtypes(state_dict, (FACTORS, MOMENTUM, LIPSCHITZ))
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)

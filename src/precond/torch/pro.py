@@ -373,13 +373,12 @@ class Pro(shared.CheckedOptimizer):
                 "Invalid state_dict: its param groups do not match this "
                 "optimizer's (another model's checkpoint?)"
             )
-        params, hyper = {}, {}
-        for saved, mine in zip(groups, self.param_groups, strict=True):
-            for index, p in zip(saved["params"], mine["params"], strict=True):
-                params[index] = p
-                hyper[index] = {**self.defaults, **saved}
-        kept = (MOMENTUM, FACTORS, LIPSCHITZ)
-        saved_state = {}
+        params = shared.saved_parameters(self.param_groups, state_dict)
+        hyper = {
+            index: {**self.defaults, **saved}
+            for saved in groups
+            for index in saved["params"]
+        }
         for index, entry in state_dict["state"].items():
             if index not in params:
                 raise ValueError(
@@ -404,12 +403,7 @@ class Pro(shared.CheckedOptimizer):
                         f"shapes {found}, expected {expected} (another model's "
                         "checkpoint, or another max_size_dense or block_size?)"
                     )
-            saved_state[index] = {k: entry[k] for k in kept if k in entry}
-        super().load_state_dict(state_dict)
-        for index, entries in saved_state.items():
-            p = params[index]
-            for key, value in entries.items():
-                self.state[p][key] = shared.copy_to_device(value, p.device)
+        self._load_keeping_dtypes(state_dict, (MOMENTUM, FACTORS, LIPSCHITZ))
 
 
 def _momentum_step(bucket: list, states: list) -> list[torch.Tensor]:

@@ -63,10 +63,15 @@ class Replicated(Strategy):
 class ShardedPreconditioning(Strategy):
     """Each rank keeps the momentum and factors of, fits and preconditions only
     the parameters assigned to it (greedy: largest cost to the least-loaded rank),
-    then one all-gather gives every rank all updates.
+    then one all-gather gives every rank all updates. The shares are of all the
+    optimizer's parameters, fixed from step to step: a parameter whose gradient
+    is missing on some steps moves no other one to another rank.
 
     Each rank's ``state_dict()`` holds the state of its own parameters only (as
-    with ZeRO): save and load it per rank. Every rank must see the same
+    with ZeRO): save and load it per rank. With ``torch.distributed.checkpoint``
+    (``get_optimizer_state_dict``), load it with
+    ``set_optimizer_state_dict(..., options=StateDictOptions(strict=False))``,
+    which lets each rank hold only its own. Every rank must see the same
     parameters with gradients in the same order, as under DDP.
 
     Args:
