@@ -13,7 +13,8 @@ the parent compares them with a single-process run on the whole global batch.
   updates. Checked with an uneven 63-wide layer, a parameter that never gets a
   gradient (it must stay untouched and stateless), a layer that only every
   other step uses (its gradient comes and goes: every parameter must keep its
-  owner and state) and more ranks than parameters.
+  owner and state), a layer added by ``add_param_group`` after two steps (the
+  same) and more ranks than parameters.
 
 float64 (factors in float64 too) agrees to 1e-12: the only difference is DDP's
 all-reduce order. float32 agrees to FLOAT32_TOLERANCE (see there).
@@ -89,7 +90,19 @@ class Gated(Net):
         return self.out(h) * self.scale
 
 
-MODELS = {"net": Net, "tiny": Tiny, "gated": Gated}
+class Grown(Gated):
+    """Gated with its mixing layer used on every step, but left out of the
+    optimizer until step GROW_AT, when ``add_param_group`` adds it (as when
+    layers are unfrozen one by one): a group added later must move no other
+    parameter, or its state, to another rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.use_gate = True
+
+
+GROW_AT = 2
+MODELS = {"net": Net, "tiny": Tiny, "gated": Gated, "grown": Grown}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -117,13 +130,24 @@ def batch(step, dtype_name):
     return x.to(DTYPES[dtype_name]), y.to(DTYPES[dtype_name])
 
 
+def first_params(model):
+    """The parameters the optimizer starts with (Grown's mixing layer joins later)."""
+    return [
+        p
+        for p in model.parameters()
+        if not (isinstance(model, Grown) and p is model.gate)
+    ]
+
+
 def train(model, optimizer, dtype_name, rows):
     module = getattr(model, "module", model)  # under DDP, the model it wraps
     for step in range(STEPS):
-        if isinstance(module, Gated):
+        if isinstance(module, Grown) and step == GROW_AT:
+            optimizer.add_param_group({"params": [module.gate]})
+        elif type(module) is Gated:
             module.use_gate = step % 2 == 1
         x, y = batch(step, dtype_name)
-        optimizer.zero_grad()
+        model.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
         loss.backward()
         optimizer.step()
@@ -138,13 +162,22 @@ CASES = {
     "sharded-2params-float64": ("tiny", "float64", True),
     "sharded-2params-float32": ("tiny", "float32", True),
     "sharded-gated-float64": ("gated", "float64", True),
+    "sharded-grown-float64": ("grown", "float64", True),
 }
 # One spawn per world size (each spawn costs ~10 s of imports), the cases run one
 # after the other on the same process group. A case that may abort its processes
 # (a collective with mismatched sizes kills gloo with SIGABRT) comes last, so that
 # an abort loses no other case.
 RUNS = {
-    "2ranks": (2, ["ddp-float64", "sharded-float64", "sharded-gated-float64"]),
+    "2ranks": (
+        2,
+        [
+            "ddp-float64",
+            "sharded-float64",
+            "sharded-gated-float64",
+            "sharded-grown-float64",
+        ],
+    ),
     "4ranks": (
         4,
         [
@@ -166,10 +199,10 @@ def run_case(case_name, rank, world_size, out_dir):
     model_name, dtype_name, sharded = CASES[case_name]
     model = build(model_name, dtype_name)
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, find_unused_parameters=model_name in ("net", "gated")
+        model, find_unused_parameters=model_name != "tiny"
     )
     strategy = ShardedPreconditioning() if sharded else None
-    optimizer = optimizer_for(ddp.parameters(), dtype_name, strategy)
+    optimizer = optimizer_for(first_params(model), dtype_name, strategy)
     shard = GLOBAL_BATCH // world_size
     train(ddp, optimizer, dtype_name, slice(rank * shard, (rank + 1) * shard))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -181,7 +214,7 @@ def run_case(case_name, rank, world_size, out_dir):
 
 def single_process(model_name, dtype_name):
     model = build(model_name, dtype_name)
-    optimizer = optimizer_for(model.parameters(), dtype_name, None)
+    optimizer = optimizer_for(first_params(model), dtype_name, None)
     train(model, optimizer, dtype_name, slice(None))
     return {n: p.detach() for n, p in model.named_parameters()}
 

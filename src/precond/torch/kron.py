@@ -357,13 +357,22 @@ class Kron(CheckedOptimizer):
 
     def _owners(self, entries) -> list[int]:
         """The rank that computes each entry's update. The strategy shares out
-        all the optimizer's parameters, not only this step's with gradients:
-        a parameter whose gradient is missing on some steps (a branch a batch
-        did not reach) moves no other parameter, or its state, to another rank."""
-        params = [(group, p) for group in self.param_groups for p in group["params"]]
-        owners = self.strategy.assign(
-            [p for _, p in params], [cost(p.shape, group) for group, p in params]
+        all the optimizer's parameters, group by group and the costliest first
+        within each, not only this step's with gradients: a parameter whose
+        gradient is missing on some steps (a branch a batch did not reach), or
+        a group added later (``add_param_group``), moves no other parameter,
+        or its state, to another rank."""
+        params = [
+            (g, group, p)
+            for g, group in enumerate(self.param_groups)
+            for p in group["params"]
+        ]
+        costs = [cost(p.shape, group) for _, group, p in params]
+        order = sorted(range(len(params)), key=lambda i: (params[i][0], -costs[i], i))
+        assigned = self.strategy.assign(
+            [params[i][2] for i in order], [costs[i] for i in order]
         )
+        owners = dict(zip(order, assigned, strict=True))
         return [owners[index] for _, _, index in entries]
 
     def _apply(self, entries, updates) -> None:

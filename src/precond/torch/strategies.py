@@ -31,7 +31,9 @@ class Strategy:
     def assign(
         self, params: Sequence[torch.Tensor], costs: Sequence[float]
     ) -> list[int]:
-        """The rank that computes each parameter's update."""
+        """The rank that computes each parameter's update, given all the
+        optimizer's parameters (whether or not they have gradients this step)
+        in its order of assignment: group by group, the costliest first."""
         raise NotImplementedError
 
     def share(
@@ -62,10 +64,11 @@ class Replicated(Strategy):
 
 class ShardedPreconditioning(Strategy):
     """Each rank keeps the momentum and factors of, fits and preconditions only
-    the parameters assigned to it (greedy: largest cost to the least-loaded rank),
-    then one all-gather gives every rank all updates. The shares are of all the
-    optimizer's parameters, fixed from step to step: a parameter whose gradient
-    is missing on some steps moves no other one to another rank.
+    the parameters assigned to it, then one all-gather gives every rank all
+    updates. Each parameter goes, in the order given (Kron's: group by group,
+    the costliest first within each), to the least-loaded rank so far. So the
+    shares are fixed from step to step: a parameter whose gradient is missing
+    on some steps, or a group added later, moves no other one to another rank.
 
     Each rank's ``state_dict()`` holds the state of its own parameters only (as
     with ZeRO): save and load it per rank. With ``torch.distributed.checkpoint``
@@ -98,11 +101,11 @@ class ShardedPreconditioning(Strategy):
         key = tuple((id(p), tuple(p.shape)) for p in params)
         if key not in self._cache:
             loads = [(0.0, rank) for rank in range(self.world_size)]
-            owners = [0] * len(params)
-            for i in sorted(range(len(params)), key=lambda i: (-costs[i], i)):
+            owners = []
+            for c in costs:  # each to the least-loaded rank (the lowest on ties)
                 load, rank = heapq.heappop(loads)
-                owners[i] = rank
-                heapq.heappush(loads, (load + costs[i], rank))
+                owners.append(rank)
+                heapq.heappush(loads, (load + c, rank))
             self._cache[key] = owners
         return self._cache[key]
 
