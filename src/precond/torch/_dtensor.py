@@ -1,16 +1,18 @@
-"""DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism) in Kron.
+"""DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism) in Kron
+and Pro.
 
-Kron's preconditioner P = ⊗_i Q_iᴴQ_i couples every entry of a parameter with
-every other along each axis, so the fit and U = P·m̂ need the whole tensor, not
-a shard of it. For a DTensor parameter θ (placements over a device mesh) Kron
-therefore
+Their preconditioner P = ⊗_i Q_iᴴQ_i couples every entry of a parameter (or of
+a block of it) with every other along each axis, so the fit and U = P·m̂ need
+the whole tensor, not a shard of it. For a DTensor parameter θ (placements over
+a device mesh) Kron and Pro therefore
 
-1. gathers the full gradient g = ``θ.grad.full_tensor()`` on every rank (one
+1. gather the full gradient g = ``θ.grad.full_tensor()`` on every rank (one
    all-gather per parameter and step, in the optimizer's parameter order);
-2. runs its unchanged per-parameter math on g: the momentum and the factors are
-   full, plain tensors, kept on every rank (``Replicated``) or on the owner
-   only (``ShardedPreconditioning``), exactly as for an unsharded parameter;
-3. applies to the local shard only the matching slice of the full update U:
+2. run their unchanged per-parameter math on g: the momentum and the factors
+   are full, plain tensors, kept on every rank (Pro, and Kron's
+   ``Replicated``) or on the owner only (Kron's ``ShardedPreconditioning``),
+   exactly as for an unsharded parameter;
+3. apply to the local shard only the matching slice of the full update U:
    ``distribute_tensor(U, mesh, placements, src_data_rank=None)`` cuts it
    locally (``torch.chunk`` semantics, as FSDP2 shards), without communication.
 
@@ -19,7 +21,7 @@ gradient reduction order differs), the noise draws stay functions of (seed,
 step, parameter index), and ``state_dict()`` holds plain tensors of the full
 shapes. The price: each rank holds full gradients transiently, and the
 optimizer state is not sharded by FSDP but by the strategy (whole parameters
-per rank), which Kron's whole-axis factors need anyway.
+per rank), which whole-axis factors need anyway.
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ def dtensors_supported() -> bool:
     except ImportError:
         return False
     return "src_data_rank" in inspect.signature(distribute_tensor).parameters
+
+
+def check_dtensor_parameter(p: torch.Tensor, optimizer: str) -> None:
+    """Refuses a DTensor parameter where this torch cannot cut its shards
+    locally (before 2.6), naming ``optimizer`` and the ways out."""
+    if looks_like_dtensor(p) and not dtensors_supported():
+        raise NotImplementedError(
+            f"{optimizer} takes DTensor (FSDP2 fully_shard) parameters from torch "
+            f"2.6 on; this is torch {torch.__version__}: upgrade, or wrap the model "
+            "in DDP instead"
+        )
 
 
 def full_gradients(params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -30,13 +30,12 @@ from precond._common.schedules import check_update_prob_schedule
 from precond._common.validation import check_bool, check_choice, check_real
 from precond.torch import _kron_math as km
 from precond.torch._dtensor import (
-    dtensors_supported,
+    check_dtensor_parameter,
     full_gradients,
     full_value,
     is_dtensor,
     local_part,
     local_value,
-    looks_like_dtensor,
 )
 from precond.torch._kron_state import (
     FACTORS,
@@ -833,12 +832,7 @@ GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
 
 
 def _check_parameter(p: torch.Tensor) -> None:
-    if looks_like_dtensor(p) and not dtensors_supported():
-        raise NotImplementedError(
-            "precond.torch.Kron takes DTensor (FSDP2 fully_shard) parameters "
-            f"from torch 2.6 on; this is torch {torch.__version__}: upgrade, or "
-            "wrap the model in DDP instead"
-        )
+    check_dtensor_parameter(p, "precond.torch.Kron")
     if not (p.is_floating_point() or p.is_complex()):
         raise TypeError(
             f"Invalid parameter of dtype {p.dtype}: Kron supports floating and "

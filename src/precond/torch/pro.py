@@ -33,6 +33,12 @@ from precond._common.pro_layout import (
 from precond._common.validation import check_int, check_real
 from precond.torch import _kron_math as km
 from precond.torch import _optimizer as shared
+from precond.torch._dtensor import (
+    check_dtensor_parameter,
+    full_gradients,
+    local_part,
+    local_value,
+)
 from precond.torch._profiling import profiled_stage
 
 __all__ = ["Pro"]
@@ -138,6 +144,9 @@ class Pro(shared.CheckedOptimizer):
 
     Random draws come from a ``torch.Generator`` seeded by (``seed``, n, the
     stack's first block): every DDP rank and every resumed run draws the same.
+    FSDP2 (``fully_shard``) parameters work as in Kron (torch >= 2.6): each
+    whole gradient is gathered and each rank applies its shard's slice of U
+    (``precond.torch._dtensor``).
     A step in which some gradient is not usable (NaN, ±Inf, or so large its
     squared norm overflows) changes no state and moves the parameters only by
     weight decay; a fit that overflows keeps that block's old factors.
@@ -203,6 +212,7 @@ class Pro(shared.CheckedOptimizer):
     def _check_param_group(self, group: dict[str, Any]) -> None:
         shared.check_arguments(group, GROUP_ARGUMENTS)
         for p in group["params"]:
+            check_dtensor_parameter(p, "precond.torch.Pro")
             if not p.is_floating_point():
                 raise TypeError(
                     f"Invalid parameter of dtype {p.dtype}: Pro supports real "
@@ -215,15 +225,20 @@ class Pro(shared.CheckedOptimizer):
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = shared.closure_loss(closure)
         entries = shared.gradient_entries(self.param_groups, _check_gradient)
-        if not entries or shared.skipped_for_unusable_gradients(entries):
+        if not entries:
             return loss
+        # Whole gradients: a DTensor's is gathered (precond.torch._dtensor).
+        full = full_gradients([p for _, p, _ in entries])
+        if shared.skipped_for_unusable_gradients(entries, full):
+            return loss
+        grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
         buckets: dict[tuple, list] = defaultdict(list)
         for group, p, i in entries:
             state = self.state[p]
             key = (id(group), state.get(STEP, 0), state.get(UPDATE_COUNTER, 0))
             buckets[key].append((group, p, i))
         for bucket in buckets.values():
-            self._step_bucket(bucket)
+            self._step_bucket(bucket, grads)
         return loss
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict:
@@ -255,13 +270,14 @@ class Pro(shared.CheckedOptimizer):
         state[FACTORS], state[LIPSCHITZ] = factors, lipschitz
         return state
 
-    def _step_bucket(self, bucket: list) -> None:
+    def _step_bucket(self, bucket: list, grads: dict[int, torch.Tensor]) -> None:
         """Momentum, fit and update of the parameters of one group that share a
-        step count and an update counter (all of them, in a plain run)."""
+        step count and an update counter (all of them, in a plain run);
+        ``grads`` holds the whole gradients by parameter index."""
         group = bucket[0][0]
         states = [self._init_state(p, group) for _, p, _ in bucket]
         with profiled_stage("precond/pro/momentum"):
-            momenta = _momentum_step(bucket, states)
+            momenta = _momentum_step(bucket, states, grads)
         do_fit = _fit_due(group, states)
         plan = _bucket_plan(
             tuple(tuple(p.shape) for _, p, _ in bucket),
@@ -406,7 +422,9 @@ class Pro(shared.CheckedOptimizer):
         self._load_keeping_dtypes(state_dict, (MOMENTUM, FACTORS, LIPSCHITZ))
 
 
-def _momentum_step(bucket: list, states: list) -> list[torch.Tensor]:
+def _momentum_step(
+    bucket: list, states: list, grads: dict[int, torch.Tensor]
+) -> list[torch.Tensor]:
     """Counts the step; m ← b1·m + (1 − b1)·g in float32 (stored in ``dtype``);
     returns each m̂ = m/(1 − b1ⁿ) in ``dtype``, divided by ‖m̂‖ + 1e-6 with
     ``normalize_grads``."""
@@ -416,8 +434,8 @@ def _momentum_step(bucket: list, states: list) -> list[torch.Tensor]:
         state[STEP] += 1
     correction = 1 - torch.tensor(b1, dtype=torch.float32) ** states[0][STEP]
     momenta = []
-    for (_, p, _), state in zip(bucket, states, strict=True):
-        mu = b1 * state[MOMENTUM].float() + (1 - b1) * p.grad.float()
+    for (_, _, index), state in zip(bucket, states, strict=True):
+        mu = b1 * state[MOMENTUM].float() + (1 - b1) * grads[index].float()
         state[MOMENTUM].copy_(mu)
         m_hat = (mu / correction).to(dtype)
         if group["normalize_grads"]:
@@ -447,7 +465,7 @@ def _fit_due(group: dict[str, Any], states: list) -> bool:
 
 def _apply_updates(bucket: list, updates: list[torch.Tensor]) -> None:
     """θ ← θ − lr·(U + λθ), U = P·m̂ scaled to an RMS of at most 1.1 (and divided
-    by 5 with ``lr_style='adam'``)."""
+    by 5 with ``lr_style='adam'``); on this rank's shard of a DTensor θ."""
     group = bucket[0][0]
     lr, decay = shared.scalar(group["lr"]), group["weight_decay"]
     for (_, p, _), u in zip(bucket, updates, strict=True):
@@ -456,7 +474,8 @@ def _apply_updates(bucket: list, updates: list[torch.Tensor]) -> None:
         if group["lr_style"] == "adam":
             u = u / ADAM_STYLE_DIVISOR
         u = u.reshape(p.shape).to(p.dtype)
-        p.add_(u + decay * p, alpha=-lr)
+        local = local_value(p)
+        local.add_(local_part(p, u) + decay * local, alpha=-lr)
 
 
 def _check_dtype(name: str, value: Any) -> None:
