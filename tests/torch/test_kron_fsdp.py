@@ -16,13 +16,16 @@ shard) and a one-element scale (fully_shard refuses 0-dim parameters: with 4
 ranks three hold nothing), and a parameter that never gets a gradient. A NaN
 in rank 0's rows at step NAN_STEP makes every rank skip that step, as the single
 process does; a run resumed from a step-RESUME_AT ``state_dict``, and one resumed
-from a ``torch.distributed.checkpoint`` checkpoint of ``get_optimizer_state_dict``
-(parameter names for keys), must end bitwise where the uninterrupted one does.
+from a ``torch.distributed.checkpoint`` checkpoint of ``get_model_state_dict`` and
+``get_optimizer_state_dict`` (parameter names for keys), must end bitwise where
+the uninterrupted one does.
+Such a checkpoint saved on 4 ranks must also resume on 2 and end where one
+process does.
 
 Measured max relative difference (max |distributed − single| / max |single|, per
 parameter, over all cases and ranks, 2 and 4 ranks): float64 9e-16, float32
-6e-7 (Pro's 4e-7). Both runs together take ~45 s on 2 cores (beside another
-test run).
+6e-7 (Pro's 4e-7). The three tests together take ~60 s on 2 cores (beside
+another test run).
 """
 
 from __future__ import annotations
@@ -40,6 +43,16 @@ from tests.torch.spawned import check_spawned_cases
 pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):
     pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 STEPS = 10
 RESUME_AT = 5  # the resumed run reloads the state_dict saved after this step
@@ -126,89 +139,133 @@ def local_values(model):
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
-def resume(model, saved_params, case_name, load):
-    """A fresh optimizer on ``model`` with its parameters set back to
-    ``saved_params``, its state from ``load(optimizer)``."""
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.to_local().copy_(saved_params[n])
-    optimizer = optimizer_for(model.parameters(), case_name)
-    load(optimizer)
-    return optimizer
-
-
-def run_case(case_name, rank, world_size, out_dir):
-    """FSDP2 training of one case, and the same steps again from the state saved
-    after step RESUME_AT: its state_dict, and a torch.distributed.checkpoint
-    checkpoint of get_optimizer_state_dict (parameter names for keys, each rank
-    writing its own state). Returns what the parent checks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+def sharded_model(case_name, world_size):
+    """The case's model, each layer and then the whole ``fully_shard``-ed on a
+    ``world_size`` CPU mesh (every parameter a DTensor)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dtype_name = CASES[case_name][0]
-    model = build(dtype_name)
+    model = build(CASES[case_name][0])
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in (model.hidden, model.out):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     assert all(is_dtensor(p) for p in model.parameters())
-    optimizer = optimizer_for(model.parameters(), case_name)
+    return model
+
+
+def rows_of(rank, world_size):
     shard = GLOBAL_BATCH // world_size
-    rows = slice(rank * shard, (rank + 1) * shard)
+    return slice(rank * shard, (rank + 1) * shard)
+
+
+def save_checkpoint(model, optimizer, checkpoint):
+    """Model and optimizer through torch.distributed.checkpoint: state dicts
+    keyed by parameter names, each rank writing its shards and its state."""
+    dcp.save(
+        {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer),
+        },
+        checkpoint_id=checkpoint,
+    )
+
+
+def load_checkpoint(model, optimizer, checkpoint, case_name):
+    """The model and a fresh optimizer from ``save_checkpoint``'s checkpoint,
+    on any number of ranks. The optimizer's state, which DCP makes with a step
+    at lr 0 where no parameter has a gradient (as in a new process), is the
+    template that dcp.load fills; that step gives the parameter without a
+    gradient a state the checkpoint lacks (as any torch optimizer's), which a
+    partial load keeps. Under ShardedPreconditioning each rank holds (and
+    loads) its own parameters' state only, which DCP's strict check refuses."""
+    model.zero_grad(set_to_none=True)
+    loaded = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
+    dcp.load(
+        loaded,
+        checkpoint_id=checkpoint,
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
+    set_model_state_dict(model, loaded["model"])
+    options = StateDictOptions(strict=not CASES[case_name][1])
+    set_optimizer_state_dict(model, optimizer, loaded["optimizer"], options=options)
+
+
+def run_case(case_name, rank, world_size, out_dir):
+    """FSDP2 training of one case, and the same steps again from the state saved
+    after step RESUME_AT: its state_dict, and a torch.distributed.checkpoint
+    checkpoint. Returns what the parent checks."""
+    dtype_name = CASES[case_name][0]
+    model = sharded_model(case_name, world_size)
+    optimizer = optimizer_for(model.parameters(), case_name)
+    rows = rows_of(rank, world_size)
     train(model, optimizer, dtype_name, rows, range(RESUME_AT))
     saved_params = local_values(model)
     saved_state = copy.deepcopy(optimizer.state_dict())
     checkpoint = os.path.join(out_dir, f"checkpoint-{case_name}")
-    dcp.save(
-        {"optimizer": get_optimizer_state_dict(model, optimizer)},
-        checkpoint_id=checkpoint,
-    )
+    save_checkpoint(model, optimizer, checkpoint)
     train(model, optimizer, dtype_name, rows, range(RESUME_AT, STEPS))
-    final = local_values(model)
     names = {id(p): n for n, p in model.named_parameters()}
     result = {
-        "local": final,
+        "local": local_values(model),
         "full": {n: p.full_tensor() for n, p in model.named_parameters()},
         "stateful": sorted(names[id(p)] for p in optimizer.state),
         "momentum_shapes": {
             names[id(p)]: tuple(s["momentum"].shape) for p, s in optimizer.state.items()
         },
     }
-
-    def from_checkpoint(fresh):
-        # The fresh optimizer's state, which DCP makes with a step at lr 0
-        # where no parameter has a gradient (as in a new process), is the
-        # template that dcp.load fills. That step gives the parameter without
-        # a gradient a state the checkpoint lacks (as any torch optimizer's):
-        # a partial load keeps it.
-        model.zero_grad(set_to_none=True)
-        loaded = {"optimizer": get_optimizer_state_dict(model, fresh)}
-        dcp.load(
-            loaded,
-            checkpoint_id=checkpoint,
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-        )
-        # ShardedPreconditioning: each rank holds (and loads) its own
-        # parameters' state only, which DCP's strict check refuses.
-        options = StateDictOptions(strict=not CASES[case_name][1])
-        set_optimizer_state_dict(model, fresh, loaded["optimizer"], options=options)
-
-    loads = {
-        "resumed": lambda fresh: fresh.load_state_dict(saved_state),
-        "resumed_dcp": from_checkpoint,
-    }
-    for key, load in loads.items():
-        resumed = resume(model, saved_params, case_name, load)
-        train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
-        result[key] = local_values(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.to_local().copy_(saved_params[n])
+    resumed = optimizer_for(model.parameters(), case_name)
+    resumed.load_state_dict(saved_state)
+    train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
+    result["resumed"] = local_values(model)
+    resumed = optimizer_for(model.parameters(), case_name)
+    load_checkpoint(model, resumed, checkpoint, case_name)
+    train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
+    result["resumed_dcp"] = local_values(model)
     return result
+
+
+def elastic_checkpoint(out_dir, case_name):
+    """Where ``save_case`` saves and ``resume_case`` loads: beside the two
+    runs' directories (each spawn needs its own, for its rendezvous file)."""
+    return os.path.join(os.path.dirname(out_dir), f"elastic-{case_name}")
+
+
+def save_case(case_name, rank, world_size, out_dir):
+    """RESUME_AT steps of one case, then a checkpoint for ``resume_case``."""
+    model = sharded_model(case_name, world_size)
+    optimizer = optimizer_for(model.parameters(), case_name)
+    train(
+        model,
+        optimizer,
+        CASES[case_name][0],
+        rows_of(rank, world_size),
+        range(RESUME_AT),
+    )
+    save_checkpoint(model, optimizer, elastic_checkpoint(out_dir, case_name))
+    return {}
+
+
+def resume_case(case_name, rank, world_size, out_dir):
+    """The rest of ``save_case``'s run from its checkpoint, on ``world_size``
+    ranks: the whole parameters at the end."""
+    model = sharded_model(case_name, world_size)
+    optimizer = optimizer_for(model.parameters(), case_name)
+    load_checkpoint(model, optimizer, elastic_checkpoint(out_dir, case_name), case_name)
+    train(
+        model,
+        optimizer,
+        CASES[case_name][0],
+        rows_of(rank, world_size),
+        range(RESUME_AT, STEPS),
+    )
+    return {"full": {n: p.full_tensor() for n, p in model.named_parameters()}}
 
 
 def single_process(case_name):
@@ -271,3 +328,27 @@ def check_case(results, case_name):
 def test_fsdp2_equals_single_process(tmp_path, world_size):
     worst = check_spawned_cases(tmp_path, world_size, list(CASES), run_case, check_case)
     print(f"{world_size} ranks, max relative difference: {worst}")
+
+
+def check_resumed_case(results, case_name):
+    """The whole parameters, the same on every rank, within the tolerance of the
+    single process's."""
+    dtype_name = CASES[case_name][0]
+    reference = single_process(case_name)
+    for rank, result in enumerate(results):
+        for name, value in result["full"].items():
+            error = relative_error(value, reference[name])
+            assert error <= TOLERANCE[dtype_name], (rank, name, error)
+            assert torch.equal(value, results[0]["full"][name]), (rank, name)
+
+
+def test_a_checkpoint_of_4_ranks_resumes_on_2(tmp_path):
+    """A torch.distributed.checkpoint checkpoint carries a run to another number
+    of ranks: saved on 4 after RESUME_AT steps, loaded on 2 (FSDP2 reshards the
+    parameters, ShardedPreconditioning's shares change), the run ends where one
+    process does."""
+    runs = {world_size: tmp_path / f"on{world_size}" for world_size in (4, 2)}
+    for directory in runs.values():
+        directory.mkdir()
+    check_spawned_cases(runs[4], 4, list(CASES), save_case, lambda results, case: None)
+    check_spawned_cases(runs[2], 2, list(CASES), resume_case, check_resumed_case)
