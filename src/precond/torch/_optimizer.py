@@ -4,6 +4,7 @@ integers, the learning-rate check, copies and pickling, checked param groups."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -36,8 +37,24 @@ def eager_step(step: Callable) -> Callable:
     the usable-gradients check, the fit schedule) whose per-bucket Python
     dynamo re-specialised bucket by bucket, past its recompile limit, and it
     ran slower than eagerly (``benchmarks/compiled_step.py``). What the step
-    compiles itself (``compile_kernels``) is still compiled."""
-    return torch.compiler.disable(step)
+    compiles itself (``compile_kernels``) is still compiled.
+
+    ``torch.compiler.disable`` is applied at the first call, not here: it
+    imports torch._dynamo, which would double ``import precond.torch``'s time
+    (about 1 s) for users who never compile."""
+
+    @functools.wraps(step)
+    def step_eagerly(*args: Any, **kwargs: Any) -> Any:
+        disabled = _EAGER_STEPS.get(step)
+        if disabled is None:
+            disabled = _EAGER_STEPS[step] = torch.compiler.disable(step)
+        return disabled(*args, **kwargs)
+
+    return step_eagerly
+
+
+# Each step function, as torch.compiler.disable returns it (eager_step).
+_EAGER_STEPS: dict[Callable, Callable] = {}
 
 
 def closure_loss(closure: Callable[[], Any] | None) -> Any:
