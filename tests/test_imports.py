@@ -1,4 +1,5 @@
-"""Import boundaries: `precond` loads no framework, `precond.jax` never loads torch;
+"""Import boundaries: `precond` loads no framework, `precond.jax` never loads torch,
+`precond.torch` does not load torch's compiler (dynamo: ~1 s of imports);
 importing `precond.jax` sets XLA:CPU's deadlock workaround, or warns once that it
 could not."""
 
@@ -25,6 +26,7 @@ def _modules_loaded_by(statement: str) -> set[str]:
         ("import precond", {"jax", "torch", "optax", "numpy"}),
         ("import precond.jax", {"torch"}),
         ("import precond.bench.cli", {"jax", "torch"}),
+        ("import precond.torch", {"jax", "torch._dynamo"}),
     ],
 )
 def test_import_boundaries(statement, forbidden):
