@@ -131,8 +131,15 @@ def _planned(
 
 
 def cost(shape, group) -> float:
-    """Relative cost of one parameter's fit and update: Σ d_i³ + numel·Σ d_i."""
-    merged, diagonal = factor_plan(shape, group)
+    """Relative cost of one parameter's fit and update: Σ d_i³ + numel·Σ d_i
+    (priced once per shape and plan options: a step prices every parameter)."""
+    return _priced(tuple(shape), *_plan_options(group))
+
+
+@functools.lru_cache(maxsize=1024)
+def _priced(shape: tuple[int, ...], *plan_options: Any) -> float:
+    """:func:`cost` of a shape, given the group's plan options."""
+    merged, diagonal = _planned(shape, *plan_options)
     numel = math.prod(merged)
     return sum(
         (d if diag else d**3) + numel * (1 if diag else d)
