@@ -43,18 +43,16 @@ def eager_step(step: Callable) -> Callable:
     imports torch._dynamo, which would double ``import precond.torch``'s time
     (about 1 s) for users who never compile."""
 
+    disabled: Callable | None = None
+
     @functools.wraps(step)
     def step_eagerly(*args: Any, **kwargs: Any) -> Any:
-        disabled = _EAGER_STEPS.get(step)
+        nonlocal disabled
         if disabled is None:
-            disabled = _EAGER_STEPS[step] = torch.compiler.disable(step)
+            disabled = torch.compiler.disable(step)
         return disabled(*args, **kwargs)
 
     return step_eagerly
-
-
-# Each step function, as torch.compiler.disable returns it (eager_step).
-_EAGER_STEPS: dict[Callable, Callable] = {}
 
 
 def closure_loss(closure: Callable[[], Any] | None) -> Any:
