@@ -510,6 +510,42 @@ def test_registration_and_skip_layers(caplog):
     assert [l.name for l in explicit.layers] == ["head"]
 
 
+class Depthwise(nn.Module):
+    """Two grouped (depthwise) convolutions, which K-FAC does not precondition,
+    between a pointwise convolution and a linear head, which it does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.depthwise = nn.Conv2d(2, 2, 3, padding=1, groups=2)
+        self.pointwise = nn.Conv2d(2, 4, 1)
+        self.depthwise2 = nn.Conv2d(4, 4, 3, groups=4)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = self.depthwise2(self.pointwise(torch.tanh(self.depthwise(x))))
+        return self.head(x.flatten(1))
+
+
+def test_skipped_grouped_convolutions_are_logged_at_info_once(caplog):
+    """A grouped convolution keeps its plain gradient: with the default loglevel
+    one INFO line per model names every such layer (a user who asked for
+    K-FAC learns which layers it leaves alone), and steps add none."""
+    model = Depthwise()
+    with caplog.at_level(logging.INFO, logger="precond.torch.kfac"):
+        pre = KFAC(model)
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(4, 2, 4, 4)).square().sum().backward()
+            pre.step()
+    assert [l.name for l in pre.layers] == ["pointwise", "head"]
+    grouped = [r for r in caplog.records if "group" in r.getMessage()]
+    assert [r.levelno for r in grouped] == [logging.INFO]
+    message = grouped[0].getMessage()
+    assert "'depthwise' (groups=2)" in message
+    assert "'depthwise2' (groups=4)" in message
+
+
 @pytest.mark.parametrize(
     ("layers", "message"),
     [

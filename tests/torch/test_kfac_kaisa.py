@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,47 @@ def test_strategies_give_kaisas_fractions(monkeypatch, fraction, expected):
     pre = KFAC(TinyModel(), grad_worker_fraction=fraction, colocate_factors=True)
     found = (pre.grad_worker_fraction, pre.distributed_strategy, pre.grid.grad_workers)
     assert found == expected
+
+
+@pytest.mark.parametrize(
+    ("fraction", "ranks", "switched"),
+    [
+        (DistributedStrategy.MEM_OPT, 4, True),
+        (0.25, 4, True),
+        (0, 4, True),
+        (DistributedStrategy.MEM_OPT, 1, True),  # KAISA's own test, in one process
+        (DistributedStrategy.HYBRID_OPT, 4, False),
+        (DistributedStrategy.COMM_OPT, 4, False),
+        (1, 1, False),
+    ],
+    ids=["MEM_OPT", "0.25", "0", "MEM_OPT-1-rank", "HYBRID_OPT", "COMM_OPT", "1"],
+)
+def test_mem_opt_warns_and_colocates_the_factors(
+    monkeypatch, fraction, ranks, switched
+):
+    """As KAISA 0.4: under MEM_OPT (a layer's one gradient worker holds both of
+    its factors) ``colocate_factors=False`` warns, naming the user's line, and
+    is switched on; other strategies keep it off, silently."""
+    if ranks == 4:
+        monkeypatch.setattr(preconditioner_module, "Communicator", FourRanks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre = KFAC(
+            TinyModel(),
+            grad_worker_fraction=fraction,
+            colocate_factors=False,
+            compute_method="inverse",
+        )
+    caught = [w for w in caught if issubclass(w.category, UserWarning)]
+    assert pre.colocate_factors is switched
+    if not switched:
+        assert not caught
+        return
+    assert len(caught) == 1
+    assert "MEM_OPT" in str(caught[0].message)
+    assert "colocate_factors=True" in str(caught[0].message)
+    assert caught[0].filename == __file__
+    assert all(w.a_worker == w.g_worker for w in pre.assignment.values())
 
 
 # -- KAISA's state-dict layout ------------------------------------------------------

@@ -613,7 +613,7 @@ BAD_ARGUMENTS = [
     (
         dict(lr=torch.tensor([1e-3, 1e-3])),
         ValueError,
-        r"Invalid lr=tensor\(\[0.0010, 0.0010\]\): a tensor lr must be a one-element",
+        r"Invalid lr=tensor\(\[0.0010, 0.0010\]\): Tensor lr must be 1-element",
     ),
     (dict(lr=torch.tensor(-1.0)), ValueError, r"Invalid lr=-1.0: must be >= 0"),
     (dict(merge_dims=1), TypeError, r"Invalid merge_dims=1: must be True or False"),

@@ -3,9 +3,12 @@
 What torch's own optimizers promise their users, written here as properties
 (in the spirit of torch's optimizer test-suite): copies step like the
 original, the learning rate may be a tensor and is driven by
-``torch.optim.lr_scheduler``, bad input fails with the exception type torch's
-optimizers raise, and the Optimizer API (zero_grad, add_param_group,
-state_dict, closures, hooks) behaves as documented. Every row runs on
+``torch.optim.lr_scheduler``, the momentum too (under the name ``momentum``
+the schedulers set), bad input fails with the exception type (and, where
+torch's suite matches it, the words) torch's optimizers raise, a state dict
+saved, loaded and saved again is the same, and the Optimizer API (zero_grad,
+add_param_group, state_dict, closures, hooks) behaves as documented. Skipped
+steps (unusable gradients) are counted, checkpointed and logged once. Every row runs on
 precond.torch.Kron and precond.torch.Pro (``OPTIMIZERS``); each stage of a step
 is a ``torch.profiler.record_function`` range; ``torch.compile`` of the step
 runs it eagerly.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import pickle
 import warnings
 
@@ -104,8 +108,8 @@ def test_copies_keep_every_public_attribute_and_step_identically(optimizer_class
         ours, theirs = getattr(optimizer, name), getattr(copied, name)
         assert type(theirs) is type(ours), name
         assert name == "strategy" or theirs == ours, name
-    # (torch's __setstate__ may add keys, e.g. 'differentiable', to defaults)
-    assert copied.defaults.items() >= optimizer.defaults.items()
+    # torch's __setstate__ adds 'differentiable' to defaults; ours stay as built.
+    assert copied.defaults == optimizer.defaults
     for g in grads[3:]:
         _step(optimizer, params, g)
         _step(copied, params_copy, g)
@@ -116,10 +120,11 @@ def test_copies_keep_every_public_attribute_and_step_identically(optimizer_class
 # --- the learning rate -------------------------------------------------------------
 
 
-def test_tensor_lr_steps_as_the_same_float_lr(optimizer_class):
-    """As torch.optim.Adam accepts ``lr=torch.tensor(...)``."""
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_tensor_lr_steps_as_the_same_float_lr(optimizer_class, shape):
+    """As torch.optim.Adam accepts ``lr=torch.tensor(...)`` of one element."""
     runs = []
-    for lr in (LR, torch.tensor(LR)):
+    for lr in (LR, torch.full(shape, LR)):
         params = _params()
         optimizer = _make(optimizer_class, params, lr=lr, weight_decay=0.1)
         for g in _grads(3):
@@ -196,6 +201,110 @@ def test_reduce_lr_on_plateau_lowers_the_lr(optimizer_class):
     assert optimizer.param_groups[0]["lr"] < LR
 
 
+# --- the momentum, under the name torch's schedulers read -----------------------
+
+
+@pytest.mark.parametrize(
+    ("make_scheduler", "momentum_range"),
+    [
+        (
+            lambda o: torch.optim.lr_scheduler.OneCycleLR(
+                o, max_lr=0.1, total_steps=20
+            ),
+            (0.85, 0.95),
+        ),
+        (
+            lambda o: torch.optim.lr_scheduler.CyclicLR(
+                o, base_lr=0.01, max_lr=0.1, step_size_up=5
+            ),
+            (0.8, 0.9),
+        ),
+    ],
+    ids=["OneCycleLR", "CyclicLR"],
+)
+def test_schedulers_cycle_the_momentum_each_step_uses(
+    optimizer_class, make_scheduler, momentum_range
+):
+    """With their defaults (cycle_momentum=True) OneCycleLR and CyclicLR cycle
+    each group's ``momentum`` (an alias of ``b1``) over their default range: the
+    run equals one given the same lr and ``b1`` (the seed's name) by hand, and
+    differs from one that keeps the momentum fixed."""
+    params, manual, fixed = _params(), _params(), _params()
+    optimizer = _make(optimizer_class, params, lr=LR)
+    by_hand = _make(optimizer_class, manual, lr=LR)
+    fixed_momentum = _make(optimizer_class, fixed, lr=LR)
+    scheduler = make_scheduler(optimizer)
+    momenta = []
+    for g in _grads(20):
+        group = optimizer.param_groups[0]
+        momenta.append(group["momentum"])
+        by_hand.param_groups[0]["lr"] = group["lr"]
+        by_hand.param_groups[0]["b1"] = group["momentum"]
+        fixed_momentum.param_groups[0]["lr"] = group["lr"]
+        _step(optimizer, params, g)
+        _step(by_hand, manual, g)
+        _step(fixed_momentum, fixed, g)
+        assert group["b1"] == momenta[-1]
+        scheduler.step()
+    assert len(set(momenta)) > 5
+    assert (min(momenta), max(momenta)) == pytest.approx(momentum_range)
+    _assert_equal(_values(params), _values(manual))
+    assert not torch.equal(params[0], fixed[0])
+
+
+def test_momentum_is_an_alias_of_b1_in_arguments_and_groups(optimizer_class):
+    """``momentum`` and ``b1`` are one hyperparameter: either may be given in a
+    group (both, only if equal), and a change to either is what the next step
+    uses and what both then read."""
+    optimizer = _make(optimizer_class, [_leaf()], b1=0.5)
+    assert optimizer.defaults["b1"] == optimizer.defaults["momentum"] == 0.5
+    optimizer.add_param_group({"params": [_leaf()], "momentum": 0.3})
+    optimizer.add_param_group({"params": [_leaf()], "b1": 0.2})
+    assert [(g["b1"], g["momentum"]) for g in optimizer.param_groups] == [
+        (0.5, 0.5),
+        (0.3, 0.3),
+        (0.2, 0.2),
+    ]
+    with pytest.raises(ValueError, match=r"b1=0.2 and momentum=0.3 differ"):
+        optimizer.add_param_group({"params": [_leaf()], "b1": 0.2, "momentum": 0.3})
+    with pytest.raises(ValueError, match=r"Invalid momentum=1.5: must be in"):
+        optimizer.add_param_group({"params": [_leaf()], "momentum": 1.5})
+    groups = optimizer.param_groups
+    groups[0]["b1"], groups[1]["momentum"] = 0.1, 0.7
+    for group in groups:
+        for p in group["params"]:
+            p.grad = torch.ones(3)
+    optimizer.step()
+    assert [(g["b1"], g["momentum"]) for g in groups] == [
+        (0.1, 0.1),
+        (0.7, 0.7),
+        (0.2, 0.2),
+    ]
+
+
+def test_a_state_dict_without_the_momentum_alias_loads_its_b1(optimizer_class):
+    """A state dict saved before groups carried ``momentum`` (only ``b1``) loads
+    with its ``b1``, not the new optimizer's default, and steps as the original."""
+    params, twin = _params(), _params()
+    optimizer = _make(optimizer_class, params, lr=LR, b1=0.5)
+    grads = _grads(3)
+    _step(optimizer, params, grads[0])
+    saved = copy.deepcopy(optimizer.state_dict())
+    for group in saved["param_groups"]:
+        del group["momentum"]
+    with torch.no_grad():
+        for p, q in zip(twin, params, strict=True):
+            p.copy_(q)
+    restored = _make(optimizer_class, twin, lr=LR)
+    restored.load_state_dict(saved)
+    assert restored.param_groups[0]["b1"] == restored.param_groups[0]["momentum"]
+    assert restored.param_groups[0]["momentum"] == 0.5
+    for g in grads[1:]:
+        _step(optimizer, params, g)
+        _step(restored, twin, g)
+    _assert_equal(_values(twin), _values(params))
+
+
 # --- bad input: the exception types torch's own optimizers raise -------------------
 
 
@@ -240,6 +349,18 @@ def test_bad_construction_raises_as_torch_optimizers_do(optimizer_class, case):
         torch.optim.Adam(params, **adam_kwargs)
     assert type(ours.value) is type(adams.value), (ours.value, adams.value)
     assert str(ours.value)
+
+
+def test_a_two_element_tensor_lr_raises_torchs_error(optimizer_class):
+    """torch's optimizers refuse it with ValueError('Tensor lr must be 1-element'),
+    at construction and in an added group alike."""
+    two = torch.tensor([0.1, 0.1])
+    for make in (optimizer_class, torch.optim.Adam):
+        with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+            make([_leaf()], lr=two)
+    optimizer = _make(optimizer_class, [_leaf()])
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        optimizer.add_param_group({"params": [_leaf()], "lr": two})
 
 
 def test_a_parameter_in_two_groups_is_refused_as_torch_does(optimizer_class):
@@ -347,7 +468,8 @@ def _load_through(how, optimizer, params, restored, twin):
     )
 
     saved = get_optimizer_state_dict(_Holder(params), optimizer)
-    assert set(saved["state"]) == {f"params.{i}" for i in range(len(params))}
+    named = {f"params.{i}" for i, p in enumerate(params) if p in optimizer.state}
+    assert set(saved["state"]) == named
     set_optimizer_state_dict(_Holder(twin), restored, saved)
 
 
@@ -367,6 +489,95 @@ def test_state_dict_round_trip_continues_bit_identically(optimizer_class, how):
         _step(optimizer, params, g)
         _step(restored, twin, g)
     _assert_equal(_values(twin), _values(params))
+
+
+def _assert_same(a, b, where="state_dict"):
+    """Equal nested state: the same keys, tensors equal in value and dtype, other
+    values equal."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict), where
+        assert set(a) == set(b), (where, sorted(map(str, set(a) ^ set(b))))
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b), where
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("into", ["itself", "a fresh optimizer"])
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_state_dict_is_the_same_after_a_load(optimizer_class, into, lr_kind):
+    """Saving, loading and saving again gives the first state dict (every
+    param-group key and value, every state entry), and the loaded optimizer
+    then steps as the original: the property torch's
+    ``test_state_dict_deterministic`` checks."""
+    params, twin = _params(), _params()
+    lr = LR if lr_kind == "float" else torch.tensor(LR)
+    optimizer = _make(optimizer_class, params, lr=lr, weight_decay=0.1)
+    grads = _grads(4)
+    for g in grads[:2]:
+        _step(optimizer, params, g)
+    saved = copy.deepcopy(optimizer.state_dict())
+    if into == "itself":
+        target, target_params = optimizer, params
+    else:
+        with torch.no_grad():
+            for p, q in zip(twin, params, strict=True):
+                p.copy_(q)
+        target, target_params = _make(optimizer_class, twin, lr=LR), twin
+    defaults = dict(target.defaults)
+    target.load_state_dict(copy.deepcopy(saved))
+    _assert_same(saved, target.state_dict())
+    assert target.defaults == defaults
+    for g in grads[2:]:
+        _step(target, target_params, g)
+        if target is not optimizer:
+            _step(optimizer, params, g)
+    _assert_same(optimizer.state_dict(), target.state_dict())
+    _assert_equal(_values(target_params), _values(params))
+
+
+def test_groups_added_after_a_copy_or_a_load_have_the_original_keys(
+    optimizer_class,
+):
+    """torch's ``__setstate__`` (run by copies, pickles and loads) must not add
+    keys to the defaults that later groups would inherit."""
+    params = _params()
+    optimizer = _make(optimizer_class, params[:2])
+    copied = copy.deepcopy(optimizer)
+    pickled = pickle.loads(pickle.dumps(optimizer))
+    loaded = _make(optimizer_class, _params()[:2])
+    loaded.load_state_dict(optimizer.state_dict())
+    keys = []
+    for each in (optimizer, copied, pickled, loaded):
+        each.add_param_group({"params": [_leaf()]})
+        keys.append(sorted(each.param_groups[-1]))
+    assert keys == [keys[0]] * 4
+
+
+def test_parameters_without_gradients_are_left_alone(optimizer_class):
+    """As torch's optimizers: a frozen parameter (requires_grad=False) and one
+    whose gradient is None neither move (not even by weight decay) nor get
+    state; the others step."""
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    idle, moving = _leaf(), _leaf()
+    optimizer = _make(optimizer_class, [frozen, idle, moving], weight_decay=0.1)
+    for _ in range(2):
+        moving.grad = torch.ones(3)
+        optimizer.step()
+    assert torch.equal(frozen, torch.ones(3))
+    assert torch.equal(idle, torch.ones(3))
+    assert not torch.equal(moving, torch.ones(3))
+    assert frozen not in optimizer.state
+    assert idle not in optimizer.state
 
 
 def test_closure_is_evaluated_with_gradients_and_its_loss_returned(optimizer_class):
@@ -498,6 +709,72 @@ def test_torch_compile_of_the_step_runs_it_eagerly(optimizer_class):
         torch._dynamo.reset()
     assert graphs == 0
     _assert_equal(_values(params), _values(twin))
+
+
+# --- skipped steps ------------------------------------------------------------------
+
+
+def _bad(grads, value=float("nan")):
+    """``grads`` with one entry of the first made ``value``."""
+    grads = [g.clone() for g in grads]
+    grads[0].view(-1)[0] = value
+    return grads
+
+
+def test_a_skipped_step_is_counted_and_logged_once(optimizer_class, caplog):
+    """A step with a NaN or Inf gradient is skipped: ``skipped_steps`` counts it
+    (not the good ones), the parameters' step counts stay, and one WARNING on
+    the optimizer module's logger says so, however many steps are skipped."""
+    params = _params()
+    optimizer = _make(optimizer_class, params, lr=LR)
+    grads = _grads(4)
+    logger = optimizer_class.__module__
+    with caplog.at_level(logging.WARNING, logger="precond"):
+        _step(optimizer, params, grads[0])
+        assert optimizer.skipped_steps == 0
+        _step(optimizer, params, _bad(grads[1]))
+        assert optimizer.skipped_steps == 1
+        _step(optimizer, params, grads[2])
+        _step(optimizer, params, _bad(grads[3], float("inf")))
+        assert optimizer.skipped_steps == 2
+    assert all(optimizer.state[p]["step"] == 2 for p in params)
+    warnings_logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.name for r in warnings_logged] == [logger]
+    assert "skipped" in warnings_logged[0].getMessage()
+    assert "skipped_steps" in warnings_logged[0].getMessage()
+
+
+@pytest.mark.parametrize("how", ["torch.save", "distributed.checkpoint", "deepcopy"])
+@pytest.mark.parametrize("first_step", ["good", "skipped"])
+def test_the_skipped_step_count_is_checkpointed(optimizer_class, how, first_step):
+    """The count survives a state-dict round trip (also when the very first
+    step was skipped, before any other state) and a copy, and the restored run
+    continues as the original."""
+    params, twin = _params(), _params()
+    optimizer = _make(optimizer_class, params, lr=LR)
+    grads = _grads(5)
+    if first_step == "skipped":
+        _step(optimizer, params, _bad(grads[0]))
+    else:
+        _step(optimizer, params, grads[0])
+        _step(optimizer, params, _bad(grads[1]))
+    expected = optimizer.skipped_steps
+    assert expected == 1
+    if how == "deepcopy":
+        twin, restored = copy.deepcopy((params, optimizer))
+    else:
+        with torch.no_grad():
+            for p, q in zip(twin, params, strict=True):
+                p.copy_(q)
+        restored = _make(optimizer_class, twin, lr=LR)
+        _load_through(how, optimizer, params, restored, twin)
+    assert restored.skipped_steps == expected
+    for g in grads[2:]:
+        _step(optimizer, params, g)
+        _step(restored, twin, g)
+    _step(restored, twin, _bad(grads[2]))
+    assert restored.skipped_steps == expected + 1
+    _assert_equal(_values(twin), _values(params))
 
 
 # --- K-FAC: the rows that apply to a gradient preconditioner --------------------------

@@ -1,18 +1,32 @@
 """What precond's torch optimizers (Kron, Pro) share: the step's preamble (the
-closure, the gradients to use, the non-finite guard), generators seeded from
-integers, the learning-rate check, copies and pickling, checked param groups."""
+closure, the gradients to use, the non-finite guard and its count of skipped
+steps), generators seeded from integers, the learning-rate check, the momentum
+under torch's name, copies and pickling, checked param groups."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 
+from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
 from precond._common.validation import check_real
 from precond.torch._dtensor import local_value
+
+# Key of the optimizer's count of skipped steps, in its first param group (from
+# the first skip on; precond's K-FAC, as KAISA's, keeps its step count there
+# too), so that whatever saves an optimizer (torch.save, torch.distributed.
+# checkpoint) saves it, and no parameter gets a partial state.
+SKIPPED_STEPS = "skipped_steps"
+# The momentum β₁: its argument name (the seeds'), and the param-group key that
+# torch's schedulers read and set (OneCycleLR and CyclicLR with
+# cycle_momentum=True), which holds the same value.
+B1, MOMENTUM_ALIAS = "b1", "momentum"
+_check_b1 = KRON_SHARED_ARGUMENT_CHECKS[B1]  # [0, 1), Kron's and Pro's rule
 
 
 def seeded_generator(device: torch.device, *integers: int) -> torch.Generator:
@@ -166,12 +180,15 @@ def scalar(value: Any) -> float:
 
 def check_lr(name: str, value: Any) -> None:
     """A number >= 0, or a one-element floating tensor holding one (as
-    ``torch.optim.Adam`` accepts)."""
+    ``torch.optim.Adam`` accepts, and refuses with the same words)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
+        if value.numel() != 1:
             raise ValueError(
-                f"Invalid {name}={value!r}: a tensor {name} must be a one-element "
-                "floating tensor"
+                f"Invalid {name}={value!r}: Tensor {name} must be 1-element"
+            )
+        if not value.is_floating_point():
+            raise ValueError(
+                f"Invalid {name}={value!r}: a tensor {name} must be floating"
             )
         value = value.item()
     check_real(name, value, low=0.0)
@@ -210,25 +227,142 @@ def copy_to_device(value: Any, device: torch.device) -> Any:
     return [copy_to_device(v, device) for v in value]
 
 
+def _with_momentum_alias(defaults: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` with ``momentum`` next to ``b1``, holding its value."""
+    out: dict[str, Any] = {}
+    for key, value in defaults.items():
+        out[key] = value
+        if key == B1:
+            out[MOMENTUM_ALIAS] = value
+    return out
+
+
+def _momentum_conflict(group: dict[str, Any]) -> str | None:
+    """What is wrong when a group gives ``b1`` and ``momentum`` different values."""
+    if B1 in group and MOMENTUM_ALIAS in group:
+        b1, momentum = group[B1], group[MOMENTUM_ALIAS]
+        if bool(b1 != momentum):
+            return (
+                f"b1={b1!r} and momentum={momentum!r} differ: momentum is another "
+                "name of b1 (the key torch's schedulers set), so give one of them, "
+                "or equal values"
+            )
+    return None
+
+
+def _fill_momentum_alias(group: dict[str, Any]) -> str:
+    """Gives a group that names one of ``b1`` and ``momentum`` the other too;
+    returns the name it gave (``b1`` if it gave both or neither)."""
+    if B1 in group:
+        group.setdefault(MOMENTUM_ALIAS, group[B1])
+        return B1
+    if MOMENTUM_ALIAS in group:
+        group[B1] = group[MOMENTUM_ALIAS]
+        return MOMENTUM_ALIAS
+    return B1
+
+
 class CheckedOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose copies and pickles keep its public
-    attributes, and whose new param groups are checked (``_check_param_group``)
-    and refused whole, leaving the optimizer as it was."""
+    attributes, whose new param groups are checked (``_check_param_group``)
+    and refused whole, leaving the optimizer as it was, whose momentum ``b1`` is
+    also each group's ``momentum`` (:meth:`_sync_momentum`), and which counts
+    the steps it skips (:attr:`skipped_steps`)."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        # Per group (by id): (the group, its b1 at the last sync).
+        self._synced_momenta: dict[int, tuple[dict, Any]] = {}
+        self._warned_skip = False
+        super().__init__(params, _with_momentum_alias(defaults))
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's state (defaults, state, groups) plus every public attribute
         (the seed, and any a subclass or user sets), so that ``copy.deepcopy``
         and ``pickle`` give an optimizer that steps exactly like this one."""
+        self._sync_momentum()
         public = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         return {**public, **super().__getstate__()}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's, run by copies, pickles and ``load_state_dict``, less the
+        ``differentiable`` it adds to the defaults (an option these optimizers
+        lack, which every group added later would inherit); groups saved with
+        ``b1`` alone get ``momentum`` too."""
+        super().__setstate__(state)
+        self.defaults.pop("differentiable", None)
+        self.__dict__.setdefault("_warned_skip", False)
+        for group in (self.defaults, *self.param_groups):
+            _fill_momentum_alias(group)
+        self._synced_momenta = {id(g): (g, g.get(B1)) for g in self.param_groups}
+
+    def state_dict(self) -> dict[str, Any]:
+        self._sync_momentum()
+        return super().state_dict()
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        given = B1
+        if isinstance(param_group, dict):  # torch's refuses anything else
+            problem = _momentum_conflict(param_group)
+            if problem:
+                raise ValueError(f"Invalid param group: {problem}")
+            given = _fill_momentum_alias(param_group)
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
         try:
-            self._check_param_group(self.param_groups[-1])
+            if given == MOMENTUM_ALIAS:
+                _check_b1(MOMENTUM_ALIAS, group[MOMENTUM_ALIAS])
+            self._check_param_group(group)
         except Exception:
             self.param_groups.pop()
             raise
+        self._synced_momenta[id(group)] = (group, group[B1])
+
+    def _sync_momentum(self) -> None:
+        """Makes each group's ``b1`` and ``momentum`` equal, to the one that was
+        changed since the last sync (``momentum``, the schedulers', if both
+        were). Run before each step and each save."""
+        synced = self._synced_momenta
+        for group in self.param_groups:
+            b1 = group[B1]
+            momentum = group.setdefault(MOMENTUM_ALIAS, b1)
+            if not bool(b1 != momentum):
+                continue
+            seen, value = synced.get(id(group), (None, None))
+            b1_changed = seen is group and not bool(momentum != value)
+            group[B1] = group[MOMENTUM_ALIAS] = b1 if b1_changed else momentum
+        self._synced_momenta = {id(g): (g, g[B1]) for g in self.param_groups}
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped because a gradient was unusable (NaN,
+        ±Inf, or so large that its squared norm overflows): since the optimizer
+        was made, or over the run whose state it loaded. After the first skip
+        it is kept in the first param group, ``param_groups[0]['skipped_steps']``,
+        so state dicts and copies keep it."""
+        return self.param_groups[0].get(SKIPPED_STEPS, 0)
+
+    def _skipped_for_unusable_gradients(
+        self,
+        entries: list[tuple[dict, torch.Tensor, int]],
+        grads: list[torch.Tensor] | None = None,
+    ) -> bool:
+        """:func:`skipped_for_unusable_gradients`, counting a skipped step in
+        :attr:`skipped_steps`; the first skip is logged at WARNING on the
+        logger of the optimizer's module (once per optimizer object)."""
+        if not skipped_for_unusable_gradients(entries, grads):
+            return False
+        first = self.param_groups[0]
+        first[SKIPPED_STEPS] = first.get(SKIPPED_STEPS, 0) + 1
+        if not self._warned_skip:
+            self._warned_skip = True
+            logging.getLogger(type(self).__module__).warning(
+                "%s skipped a step: a gradient is NaN, ±Inf or so large that its "
+                "squared norm overflows, so no state changed and the parameters "
+                "moved by weight decay alone. optimizer.skipped_steps counts such "
+                "steps; this warning is not repeated.",
+                type(self).__name__,
+            )
+        return True
 
     def _load_keeping_dtypes(
         self, state_dict: dict[str, Any], kept: tuple[str, ...]
@@ -236,7 +370,13 @@ class CheckedOptimizer(torch.optim.Optimizer):
         """torch's ``load_state_dict``, then the ``kept`` entries of each
         parameter's state as saved (copied to its device): torch would cast
         them to the parameter's dtype. The state's keys are found through the
-        saved groups (:func:`saved_parameters`)."""
+        saved groups (:func:`saved_parameters`). A group whose ``b1`` and
+        ``momentum`` differ (an edited state dict: saves make them equal) is
+        refused, as it is unclear which is meant."""
+        for g, group in enumerate(state_dict["param_groups"]):
+            problem = _momentum_conflict(group)
+            if problem:
+                raise ValueError(f"Invalid state_dict: in param group {g}, {problem}")
         params = saved_parameters(self.param_groups, state_dict)
         saved = {
             key: {name: entry[name] for name in kept if name in entry}

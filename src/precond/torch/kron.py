@@ -70,7 +70,6 @@ from precond.torch._optimizer import (
     group_defaults,
     scalar,
     seeded_generator,
-    skipped_for_unusable_gradients,
     working_dtype,
 )
 from precond.torch._optimizer import (  # re-exported: precond.bench imports it here
@@ -186,7 +185,10 @@ class Kron(CheckedOptimizer):
     That covers NaN and ±Inf entries and finite entries from about 1.8e19 (in
     float32), whose squares overflow and would poison the factors for good. A
     factor fit that still overflows (a large gradient met by large factors)
-    keeps the parameter's old factors; the step itself proceeds.
+    keeps the parameter's old factors; the step itself proceeds. Skipped steps
+    are counted in :attr:`skipped_steps` (kept in ``param_groups[0]``, so
+    checkpoints keep it), and the first is logged at WARNING on the
+    ``precond.torch.kron`` logger.
 
     Complex parameters are supported (Li's PSGD is defined for them): P =
     ⊗ Q_iᴴQ_i is Hermitian, the factors are complex with real positive
@@ -204,7 +206,10 @@ class Kron(CheckedOptimizer):
         params: parameters or param groups (every argument below except
             ``seed``, ``strategy`` and ``compile_kernels`` may be set per group).
         lr: learning rate (a float or a one-element tensor).
-        b1: momentum β₁ in [0, 1).
+        b1: momentum β₁ in [0, 1). Each param group also holds it as
+            ``momentum``, the name torch's schedulers set (OneCycleLR and
+            CyclicLR with ``cycle_momentum=True``); a group may give either,
+            and a change to either is what the next step uses.
         weight_decay: weight decay λ on every parameter (see ``update_clipping``
             for where it enters).
         preconditioner_update_probability: a probability in (0, 1], a function
@@ -329,12 +334,13 @@ class Kron(CheckedOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = closure_loss(closure)
+        self._sync_momentum()
         entries = gradient_entries(self.param_groups, _check_gradient)
         if not entries:
             return loss
         # Whole gradients: a DTensor's is gathered (precond.torch._dtensor).
         full = full_gradients([p for _, p, _ in entries])
-        if skipped_for_unusable_gradients(entries, full):
+        if self._skipped_for_unusable_gradients(entries, full):
             return loss
         grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
         draws = None if self.seed is not None else self._global_draws(entries)

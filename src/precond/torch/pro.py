@@ -149,14 +149,20 @@ class Pro(shared.CheckedOptimizer):
     (``precond.torch._dtensor``).
     A step in which some gradient is not usable (NaN, ±Inf, or so large its
     squared norm overflows) changes no state and moves the parameters only by
-    weight decay; a fit that overflows keeps that block's old factors.
+    weight decay; a fit that overflows keeps that block's old factors. Skipped
+    steps are counted in :attr:`skipped_steps` (kept in ``param_groups[0]``,
+    so checkpoints keep it), and the first is logged at WARNING on the
+    ``precond.torch.pro`` logger.
 
     Args:
         params: parameters or param groups (every argument but ``seed`` may be
             set per group).
         lr: learning rate (a float or a one-element tensor).
         lr_style: 'adam' divides the clipped update by 5; None leaves it.
-        b1: momentum coefficient in [0, 1) (bias-corrected).
+        b1: momentum coefficient in [0, 1) (bias-corrected). Each param group
+            also holds it as ``momentum``, the name torch's schedulers set
+            (OneCycleLR and CyclicLR with ``cycle_momentum=True``); a group may
+            give either, and a change to either is what the next step uses.
         weight_decay: decoupled weight decay λ.
         normalize_grads: divide each momentum tensor by its norm (+1e-6) first.
         max_size_dense: matrix sides longer than this get a diagonal factor.
@@ -224,12 +230,13 @@ class Pro(shared.CheckedOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = shared.closure_loss(closure)
+        self._sync_momentum()
         entries = shared.gradient_entries(self.param_groups, _check_gradient)
         if not entries:
             return loss
         # Whole gradients: a DTensor's is gathered (precond.torch._dtensor).
         full = full_gradients([p for _, p, _ in entries])
-        if shared.skipped_for_unusable_gradients(entries, full):
+        if self._skipped_for_unusable_gradients(entries, full):
             return loss
         grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
         buckets: dict[tuple, list] = defaultdict(list)

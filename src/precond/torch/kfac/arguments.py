@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -221,6 +222,33 @@ def check_arguments(
             "colocate_factors=True or compute_eigenvalue_outer_product=False)"
         )
     return assignment_strategy, compute_method
+
+
+def mem_opt_requested(fraction: Any, world_size: int) -> bool:
+    """Whether ``grad_worker_fraction`` asks for MEM_OPT as KAISA 0.4 reads it:
+    the member itself (even in one process), or a fraction other than 1 of at
+    most 1/world_size (0 included)."""
+    if isinstance(fraction, DistributedStrategy):
+        return fraction is DistributedStrategy.MEM_OPT
+    return fraction != 1 and fraction <= 1 / world_size
+
+
+def colocate_under_mem_opt(colocate: bool, fraction: Any, world_size: int) -> bool:
+    """``colocate_factors`` as used: KAISA 0.4's rule switches it on under
+    MEM_OPT (:func:`mem_opt_requested`), where a layer's one gradient worker
+    holds both of its factors, with a warning pointing at the line that made
+    the ``KFAC``."""
+    if colocate or not mem_opt_requested(fraction, world_size):
+        return colocate
+    warnings.warn(
+        "colocate_factors=False does not apply under MEM_OPT "
+        f"(grad_worker_fraction={fraction!r}: each layer has one gradient "
+        "worker, which holds both of its factors): using colocate_factors=True, "
+        "as KAISA does",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 def distributed_strategy(grad_workers: int, world_size: int) -> DistributedStrategy:

@@ -26,6 +26,7 @@ from precond.torch._dtensor import full_gradients, local_part, local_value
 __all__ = [
     "KFACLayer",
     "input_covariance",
+    "is_trained_grouped_convolution",
     "module_class",
     "output_grad_covariance",
     "second_moment",
@@ -60,6 +61,16 @@ def unsupported_reason(module: nn.Module) -> str | None:
             "per group, which is not supported"
         )
     return None
+
+
+def is_trained_grouped_convolution(module: nn.Module) -> bool:
+    """A grouped ``nn.Conv2d`` whose weight is trained: a layer a user may expect
+    K-FAC to precondition, which it does not (:func:`unsupported_reason`)."""
+    return (
+        isinstance(module, nn.Conv2d)
+        and module.groups != 1
+        and module.weight.requires_grad
+    )
 
 
 def _has_bias(module: nn.Module) -> bool:

@@ -71,6 +71,7 @@ from precond.torch.kfac.arguments import (
     _grad_workers,
     _takes_step,
     check_arguments,
+    colocate_under_mem_opt,
     distributed_strategy,
 )
 from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
@@ -79,6 +80,7 @@ from precond.torch.kfac.communication import Communicator
 from precond.torch.kfac.layers import (
     KFACLayer,
     input_covariance,
+    is_trained_grouped_convolution,
     module_class,
     output_grad_covariance,
     unsupported_reason,
@@ -123,6 +125,48 @@ def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
     )
 
 
+def _check_modules(modules: dict[str, nn.Module], names: Sequence[str] | None):
+    """Refuses FSDP1 (and DTensors where torch is too old for them), and
+    ``layers`` names that are not modules or not supported ones."""
+    for module in modules.values():
+        weight = getattr(module, "weight", None)
+        if type(module).__name__ == "FullyShardedDataParallel" or (
+            isinstance(weight, torch.Tensor)
+            and looks_like_dtensor(weight)
+            and not dtensors_supported()
+        ):
+            raise NotImplementedError(
+                "precond.torch.kfac.KFAC supports FSDP2 (fully_shard, DTensor "
+                "parameters, torch >= 2.6) but not FSDP1 "
+                "(FullyShardedDataParallel): use fully_shard, or wrap the "
+                "model in DistributedDataParallel"
+            )
+    if names is None:
+        return
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise ValueError(f"Invalid layers: {unknown} are not modules of model")
+    for n in names:
+        reason = unsupported_reason(modules[n])
+        if reason is not None:
+            raise ValueError(f"Invalid layers: cannot register {n!r}: {reason}")
+
+
+def _log_unregistered(model: nn.Module, registered: list, grouped: list[str]) -> None:
+    """Once per model: an INFO line naming the grouped convolutions left with
+    their plain gradients (``grouped``), a WARNING if no layer was registered."""
+    if grouped:
+        logger.info(
+            "K-FAC does not precondition %d grouped convolution(s) of %s, whose "
+            "gradients stay as they are: %s",
+            len(grouped),
+            type(model).__name__,
+            ", ".join(grouped),
+        )
+    if not registered:
+        logger.warning("K-FAC registered no layers of %s", type(model).__name__)
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -153,7 +197,8 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
     KAISA 0.4's way, and with one required argument it gets the step count, the
     way of KAISA's later ``KFACPreconditioner``):
         model: the module whose ``nn.Linear`` and ``nn.Conv2d`` layers (exact types;
-            grouped convolutions excepted) are registered, walking it recursively.
+            grouped convolutions excepted, named in one INFO line on the
+            ``precond.torch.kfac`` logger) are registered, walking it recursively.
         factor_update_steps: steps between factor updates (schedulable).
         inv_update_steps: steps between decompositions (schedulable).
         damping: λ > 0 (schedulable).
@@ -165,7 +210,9 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             number).
         allreduce_bucket_cap_mb: bucket size of the factor all-reduce (0: none).
         assignment_strategy: ``AssignmentStrategy`` (or 'compute'/'memory').
-        colocate_factors: decompose a layer's A and G on the same rank.
+        colocate_factors: decompose a layer's A and G on the same rank. Under
+            MEM_OPT (one gradient worker per layer) False is switched to True,
+            with a warning, as KAISA 0.4 does.
         compute_method: ``ComputeMethod`` (or 'eigen'/'inverse').
         compute_eigenvalue_outer_product: eigen only: precompute 1 ⊘ (d_G d_Aᵀ + λ)
             on the inverse worker (needs ``colocate_factors``).
@@ -250,6 +297,9 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
         self._loss_scale: float | None = None  # cached for the step (AMP)
         self._warned_accumulation = False
         self._build_grid(grad_worker_fraction)
+        self.colocate_factors = colocate_under_mem_opt(
+            self.colocate_factors, grad_worker_fraction, self.grid.world_size
+        )
         self.layers = self._register(model, layers)
         self._assign_work()
         self._ready: dict[str, bool] = {l.name: False for l in self.layers}
@@ -324,29 +374,9 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
     # -- registration --
     def _register(self, model: nn.Module, names: Sequence[str] | None):
         modules = dict(model.named_modules())
-        for module in modules.values():
-            weight = getattr(module, "weight", None)
-            if type(module).__name__ == "FullyShardedDataParallel" or (
-                isinstance(weight, torch.Tensor)
-                and looks_like_dtensor(weight)
-                and not dtensors_supported()
-            ):
-                raise NotImplementedError(
-                    "precond.torch.kfac.KFAC supports FSDP2 (fully_shard, DTensor "
-                    "parameters, torch >= 2.6) but not FSDP1 "
-                    "(FullyShardedDataParallel): use fully_shard, or wrap the "
-                    "model in DistributedDataParallel"
-                )
-        if names is not None:
-            unknown = [n for n in names if n not in modules]
-            if unknown:
-                raise ValueError(f"Invalid layers: {unknown} are not modules of model")
-            for n in names:
-                reason = unsupported_reason(modules[n])
-                if reason is not None:
-                    raise ValueError(f"Invalid layers: cannot register {n!r}: {reason}")
+        _check_modules(modules, names)
         skipped_prefixes: list[str] = []
-        registered = []
+        registered, grouped = [], []
         for name, module in modules.items():
             if any(name.startswith(p) for p in skipped_prefixes):
                 continue
@@ -362,6 +392,8 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             reason = unsupported_reason(module)
             if reason is not None:
                 logger.log(self.loglevel, "K-FAC skips %r: %s", name, reason)
+                if is_trained_grouped_convolution(module):
+                    grouped.append(f"{name!r} (groups={module.groups})")
                 continue
             assert isinstance(module, nn.Linear | nn.Conv2d)  # all it admits
             if module.weight.numel() == 0:
@@ -371,8 +403,7 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
                 continue
             registered.append(KFACLayer(name, module))
             logger.log(self.loglevel, "K-FAC registers %r", registered[-1])
-        if not registered:
-            logger.warning("K-FAC registered no layers of %s", type(model).__name__)
+        _log_unregistered(model, registered, grouped)
         return registered
 
     def remove_hooks(self) -> None:
