@@ -41,9 +41,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock, simulate_cpu_devices
+from precond._common.cpu_devices import simulate_cpu_devices
 
-avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
 # The timing runs in a child process with one plain CPU device: simulated devices
 # share a thread pool enlarged against hangs, which oversubscribes the cores.
 TIMING_ONLY = "--timing-only" in sys.argv

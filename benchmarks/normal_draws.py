@@ -31,10 +31,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
-
-avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
-
 import jax
 import jax.numpy as jnp
 import optax

@@ -95,10 +95,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
-
-avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
-
 import jax
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

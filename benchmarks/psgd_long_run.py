@@ -67,9 +67,6 @@ if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
         + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     ).strip()
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
-
-avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
 
 import jax
 import jax.numpy as jnp

@@ -54,9 +54,6 @@ from typing import Any
 # call to the next with OpenBLAS's default thread count, 0.02 s steadily with one.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
-
-avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
 
 import jax
 import jax.numpy as jnp

@@ -65,9 +65,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock, simulate_cpu_devices
+from precond._common.cpu_devices import simulate_cpu_devices
 
-avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
 simulate_cpu_devices(8)
 
 import jax

@@ -338,9 +338,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
 
-    avoid_xla_cpu_deadlock()  # _common imports jax: see README
     from _common import loadavg, machine_info
 
     args = parse_args(argv)

@@ -52,9 +52,6 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _CACHE = tempfile.TemporaryDirectory(prefix="torch_kron_inductor_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE.name
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
-
-avoid_xla_cpu_deadlock()  # _common and kron_update import jax: see README
 
 import torch
 from torch import nn

@@ -28,9 +28,6 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock
-
-avoid_xla_cpu_deadlock()  # before jax is imported: see README "Known issues"
 
 import optax
 from benchmarks._common import jax_stepper, loadavg, machine_info

@@ -1,5 +1,6 @@
-"""A standalone JAX program (no precond) that hangs XLA:CPU: the hang that
-``precond._common.xla_workarounds`` works around, in a form for the XLA tracker.
+"""A standalone JAX program (no precond) that hangs XLA:CPU (jaxlib 0.10), in a
+form for the JAX tracker: the hang that precond's programs avoid by making no
+batched LAPACK call (``precond.jax._pool_safe_linalg``).
 
 The program is one jitted function with seven independent chains of batched
 triangular solves and matmuls (the shape of PSGD Kron's factor update of a small
@@ -13,6 +14,8 @@ wait. gdb showed two threads inside ``lapack_strsm_ffi`` →
 sat in ``WaitForWork``: the batched solves wait for pool work that never runs.
 With ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` (independent
 chains not run concurrently) the same program runs every call (300 of 300).
+jaxlib's source has since stopped splitting LAPACK batches over the pool in
+open-source builds; the released jaxlib 0.10.x still splits them.
 
 Usage (each command sets XLA_FLAGS itself; a call that never returns is the hang):
     XLA_FLAGS= timeout 120 python docs/xla_cpu_deadlock_repro.py

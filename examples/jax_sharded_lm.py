@@ -34,20 +34,17 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock, simulate_cpu_devices
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-avoid_xla_cpu_deadlock()  # must run before jax is imported
-
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import precond.jax as pj  # noqa: E402
+import precond.jax as pj
+from precond._common.cpu_devices import simulate_cpu_devices
 
 VOCAB = 256  # byte-level tokens
 

@@ -2,9 +2,8 @@
 
 import os
 
-from precond._common.xla_workarounds import avoid_xla_cpu_deadlock, simulate_cpu_devices
+from precond._common.cpu_devices import simulate_cpu_devices
 
-avoid_xla_cpu_deadlock()
 simulate_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiling is much of the suite's time, and XLA compiles about a third faster

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precond._common.xla_workarounds import XLA_CPU_DEADLOCK_FLAG
 from tests.jax import multiprocess_worker
 from tests.jax.helpers import float64
 
@@ -38,13 +37,10 @@ def _launch_workers(out_dir):
     env = {
         **os.environ,
         # Not this process's flags: 4 devices per worker, not 8.
-        "XLA_FLAGS": (
-            f"--xla_force_host_platform_device_count=4 {XLA_CPU_DEADLOCK_FLAG}"
-        ),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
-        # 2·4 + 1: see precond._common.xla_workarounds.simulate_cpu_devices.
-        "PJRT_NPROC": "9",
     }
+    env.pop("PJRT_NPROC", None)
     port = str(_free_port())
     workers = []
     for process_id in range(2):

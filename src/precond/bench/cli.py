@@ -16,10 +16,7 @@ import time
 from collections.abc import Sequence
 
 from precond import __version__
-from precond._common.xla_workarounds import (
-    avoid_xla_cpu_deadlock,
-    simulate_cpu_devices,
-)
+from precond._common.cpu_devices import simulate_cpu_devices
 from precond.bench.arguments import (
     finite_positive,
     multipliers,
@@ -441,8 +438,7 @@ def _check_batch_size(args: argparse.Namespace, workloads, devices: int) -> None
 
 
 def _prepare_jax(devices: int) -> None:
-    """XLA flags before jax starts; then checks the device count."""
-    avoid_xla_cpu_deadlock()
+    """The simulated device count before jax starts; then checks it."""
     if devices > 1 and "jax" not in sys.modules:
         simulate_cpu_devices(devices)
     import jax

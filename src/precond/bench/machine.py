@@ -42,8 +42,8 @@ def configure_threads(
 
     Call before JAX is imported: XLA reads ``PJRT_NPROC`` once, when its CPU
     backend starts; afterwards, and with ``devices`` > 1 simulated JAX devices
-    (:func:`precond._common.xla_workarounds.simulate_cpu_devices` sizes the pool
-    for them), XLA's pool is left as it is (:func:`environment` records it).
+    (which share the pool), XLA's pool is left as it is (:func:`environment`
+    records it).
     """
     for name in POOL_SIZE_VARIABLES:
         os.environ[name] = str(threads)

@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec
 
 from precond._common.kron_constants import GENERATION_1_STYLE, stored_cache
 from precond._common.validation import is_concrete_number
-from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
 from precond.jax import _kron_layout as layout
 from precond.jax import _kron_math as km
+from precond.jax._argument_trees import check_per_parameter_bools
 from precond.jax._kron_arguments import KRON_ALIAS_ARGS, validate_kron_arguments
 from precond.jax._kron_layout import StackPlan, TensorPlan
 from precond.jax._kron_sharding import ShardingPlan, per_parameter, plan_sharding
@@ -115,7 +115,6 @@ def kron_config(arguments: dict[str, Any]) -> KronConfig:
             f"scale_by_kron() got an unexpected keyword argument {unexpected[0]!r}"
         )
     validate_kron_arguments(**arguments)
-    warn_if_xla_cpu_deadlock_possible()
     mu_dtype, precond_dtype = arguments["mu_dtype"], arguments["precond_dtype"]
     return KronConfig(
         **dict(
@@ -137,26 +136,31 @@ class TreePlan(NamedTuple):
     sharding: ShardingPlan  # where they live on the mesh
 
 
-def _scanned_flags(config: KronConfig, tree: Any, leaf_count: int) -> list:
-    """Per leaf, whether its leading axis stacks layers (``scanned_layers``)."""
+def _scanned_flags(config: KronConfig, tree: Any, paths: list[str]) -> list:
+    """Per leaf, whether its leading axis stacks layers (``scanned_layers``, a
+    callable called on ``tree``), each a bool (else a TypeError naming the
+    leaf, whose paths are ``paths``)."""
     flags = config.scanned_layers
     if callable(flags):
         flags = flags(tree)
     if flags is None:
-        return [False] * leaf_count
-    return per_parameter(flags, tree, "scanned_layers")
+        return [False] * len(paths)
+    flags = per_parameter(flags, tree, "scanned_layers")
+    check_per_parameter_bools("scanned_layers", flags, paths)
+    return flags
 
 
 def plan_tree(config: KronConfig, tree: Any) -> TreePlan:
     """The treedef of ``tree``, a plan per leaf, the stacks of their units, and
     where they live on the mesh."""
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    flags = _scanned_flags(config, tree, len(leaves_with_paths))
+    paths = [jax.tree_util.keystr(path) for path, _ in leaves_with_paths]
+    flags = _scanned_flags(config, tree, paths)
     plans = [
         layout.plan_tensor(
             x.shape,
             scanned=bool(flag),
-            path=jax.tree_util.keystr(path),
+            path=path,
             max_size_triangular=config.max_size_triangular,
             min_ndim_triangular=config.min_ndim_triangular,
             memory_save_mode=config.memory_save_mode,
@@ -167,7 +171,7 @@ def plan_tree(config: KronConfig, tree: Any) -> TreePlan:
             merge_rule=config.merge_rule,
             block_padding=config.block_padding,
         )
-        for (path, x), flag in zip(leaves_with_paths, flags, strict=True)
+        for (_, x), flag, path in zip(leaves_with_paths, flags, paths, strict=True)
     ]
     sharding = plan_sharding(
         tree,

@@ -61,6 +61,7 @@ from precond._common.kron_constants import (  # the styles both frameworks accep
     UPDATE_STYLES as UPDATE_STYLES,
 )
 from precond.jax import _normal_draws
+from precond.jax._pool_safe_linalg import triangular_solve
 
 # Leading stack axes of a kernel's per-unit arguments: none, callers vmap (module
 # doc; 1 in precond.torch._kron_math).
@@ -152,7 +153,7 @@ def solve_transposed_along_axis(Q: jax.Array, X: jax.Array, axis: int) -> jax.Ar
     moved = jnp.moveaxis(X, axis, -1)
     rows = moved.reshape(-1, moved.shape[-1])
     # Row-vector form of Q^{-H} x: solve y Q̄ = xᵀ for y.
-    solved = jax.lax.linalg.triangular_solve(
+    solved = triangular_solve(
         Q, rows, left_side=False, lower=False, conjugate_a=is_complex(Q)
     )
     return jnp.moveaxis(solved.reshape(moved.shape), -1, axis)

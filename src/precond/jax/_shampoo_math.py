@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from precond.jax._pool_safe_linalg import eigh
+
 # The relative ridge is ε·max(λ_max, LAMBDA_FLOOR): a zero matrix still gets εI·1e-6.
 LAMBDA_FLOOR = 1e-6
 # A coupled-Newton step may raise the error a little before it falls; a larger rise
@@ -325,7 +327,7 @@ def matrix_inverse_pth_root_eigh(
         ([0.5, 0.3333], True)
     """
     work, exponent = _scaled_down(matrix.astype(root_dtype()))
-    eigenvalues, vectors = jnp.linalg.eigh(work)
+    eigenvalues, vectors = eigh(work)
     ridge = _relative_ridge(ridge_epsilon, eigenvalues[-1], relative_matrix_epsilon)
     scales = (jnp.maximum(eigenvalues, 0) + ridge) ** (-1.0 / p)
     root = _scaled_up(_matmul(vectors * scales, vectors.T, precision), exponent, p)
