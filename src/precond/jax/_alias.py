@@ -6,27 +6,44 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
 import optax
 
 from precond._common.validation import check_real, is_concrete_number
+from precond.jax._argument_trees import check_bool_leaves, check_fits_params
+from precond.jax._guards import is_params_placeholder
+
+MASK_RULE = (
+    "None, a pytree of bools (a prefix of the params' tree) or a callable of the "
+    "params returning one"
+)
 
 
 def _check_mask(name: str, value: Any) -> None:
     """None, a callable of the params, or a pytree of bools (a prefix of the
-    params' tree: optax matches it at ``init``)."""
+    params' tree: :func:`with_mask_checked_at_init` matches it at ``init``)."""
     if value is None or callable(value):
         return
-    for leaf in jax.tree.leaves(value):
-        if not (
-            isinstance(leaf, bool | np.bool_)
-            or getattr(getattr(leaf, "dtype", None), "kind", None) == "b"
-        ):
-            raise TypeError(
-                f"Invalid {name}={value!r}: must be None, a pytree of bools (a "
-                "prefix of the params' tree) or a callable of the params returning one"
-            )
+    check_bool_leaves(name, value, MASK_RULE)
+
+
+def with_mask_checked_at_init(
+    transform: optax.GradientTransformation, name: str, mask: Any
+) -> optax.GradientTransformation:
+    """``transform`` whose ``init`` first checks the mask argument ``name``
+    against the params (a callable mask is called on them): a pytree of bools,
+    a prefix of the params' tree (optax.masked's rule). Otherwise optax fails
+    at the first update with a bare pytree error naming neither."""
+    if mask is None:
+        return transform
+
+    def init_fn(params):
+        if not is_params_placeholder(params):
+            tree = mask(params) if callable(mask) else mask
+            check_bool_leaves(name, tree, MASK_RULE)
+            check_fits_params(name, tree, params, prefix=True)
+        return transform.init(params)
+
+    return transform._replace(init=init_fn)
 
 
 # The arguments the aliases (kron, xmat, low_rank_approximation, affine) add to
@@ -58,8 +75,9 @@ def with_decay_and_learning_rate(
         (mask_name, weight_decay_mask),
     ):
         ALIAS_ARGUMENT_CHECKS[name](name, value)
+    decay = decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask)
     return optax.chain(
-        core, decay_and_learning_rate(learning_rate, weight_decay, weight_decay_mask)
+        core, with_mask_checked_at_init(decay, mask_name, weight_decay_mask)
     )
 
 

@@ -7,12 +7,22 @@ that their squares overflow: from about 1.8e19 in float32 (√ of float32's max)
 the preconditioners' second moments (G·Gᴴ, or products of that size) overflow to
 Inf and would poison the state for good. No real gradient is that large; a
 single one is a bad batch, not a signal to follow.
+
+Also the checks of what every JAX optimizer's ``init`` and ``update`` are given:
+parameter dtypes, gradients shaped as the parameters, a state made for them,
+and Python or NumPy scalars taken as arrays.
 """
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+
+from precond.jax._argument_trees import tree_mismatch
 
 
 def _squared_norm(x: jax.Array) -> jax.Array:
@@ -72,11 +82,116 @@ def check_parameter_dtypes(params, optimizer: str, *, complex_ok: bool) -> None:
         )
 
 
+_SCALARS = (numbers.Number, np.generic)
+
+
+def as_arrays(tree):
+    """``tree`` with its Python and NumPy scalar leaves as JAX arrays, as optax's
+    own optimizers take them (``{"w": 1.0}`` is a tree of one scalar parameter);
+    ``tree`` itself when it has none."""
+    if not any(isinstance(x, _SCALARS) for x in jax.tree.leaves(tree)):
+        return tree
+
+    def convert(x):
+        return jnp.asarray(x) if isinstance(x, _SCALARS) else x
+
+    return jax.tree.map(convert, tree)
+
+
+def accepting_scalars(
+    transform: optax.GradientTransformationExtraArgs,
+) -> optax.GradientTransformationExtraArgs:
+    """``transform`` whose ``init`` and ``update`` take Python and NumPy scalars
+    among the params and gradients (:func:`as_arrays`)."""
+
+    def init_fn(params):
+        return transform.init(as_arrays(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        return transform.update(
+            as_arrays(updates), state, as_arrays(params), **extra_args
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class _ParamsPlaceholder:
+    """What ``optax.tree.map_params`` passes to ``init`` (its class is private):
+    a leafless node where the params go, so that ``init`` tells which fields of
+    its state are trees like the params."""
+
+
+jax.tree_util.register_pytree_node(
+    _ParamsPlaceholder, lambda _: ((), None), lambda *_: _ParamsPlaceholder()
+)
+
+
+def _parameter_shaped_trees(state, init_fn) -> list:
+    """The subtrees of ``state`` that are trees like the params (the momentum,
+    say), as ``init_fn`` marks them for ``optax.tree.map_params``."""
+    found = []
+
+    def visit(marker, value):
+        if isinstance(marker, _ParamsPlaceholder):
+            found.append(value)
+        return marker
+
+    try:
+        jax.tree.map(
+            visit,
+            init_fn(_ParamsPlaceholder()),
+            state,
+            is_leaf=lambda x: isinstance(x, _ParamsPlaceholder),
+        )
+    except Exception:  # a diagnostic only: where init fails, none is found
+        return []
+    return found
+
+
+def _check_gradient_shapes(updates, params, state, init_fn, optimizer: str) -> None:
+    """Refuses gradients that are not shaped as the parameters ``init`` saw:
+    ``params`` when given, else the state's trees like the params (when it
+    keeps one), naming the parameter and both shapes."""
+    if params is None:
+        treedef = jax.tree.structure(updates)
+        params = next(
+            (
+                tree
+                for tree in _parameter_shaped_trees(state, init_fn)
+                if jax.tree.structure(tree) == treedef
+                and all(hasattr(x, "shape") for x in jax.tree.leaves(tree))
+            ),
+            None,
+        )
+        if params is None:
+            return
+    elif jax.tree.structure(updates) != jax.tree.structure(params):
+        problem = tree_mismatch(params, updates, ("the params", "the gradients"))
+        raise ValueError(
+            f"{optimizer}: the gradients' tree structure differs from the "
+            f"params': {problem or jax.tree.structure(updates)}"
+        )
+    for (path, g), p in zip(
+        jax.tree_util.tree_flatten_with_path(updates)[0],
+        jax.tree.leaves(params),
+        strict=True,
+    ):
+        if jnp.shape(g) != jnp.shape(p):
+            raise ValueError(
+                f"{optimizer}: the gradient of parameter "
+                f"{jax.tree_util.keystr(path) or '(the root)'} has shape "
+                f"{jnp.shape(g)}, expected {jnp.shape(p)} (the parameter's shape, "
+                "as init saw it)"
+            )
+
+
 def check_state_matches(state, init_fn, params, updates, optimizer: str) -> None:
-    """Refuses, when ``update`` is traced, a state that ``init_fn`` would not
+    """Refuses, when ``update`` is traced, gradients not shaped as the
+    parameters (naming the parameter), and a state that ``init_fn`` would not
     make for these parameters (e.g. a checkpoint of another model), naming the
     first leaf that differs. Shapes are compared always, dtypes when ``params``
     is given (the gradients' dtypes may differ from the parameters')."""
+    _check_gradient_shapes(updates, params, state, init_fn, optimizer)
     expected = jax.eval_shape(init_fn, updates if params is None else params)
     got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(state)
     want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(expected)

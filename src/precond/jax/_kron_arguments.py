@@ -21,7 +21,12 @@ from precond._common.kron_constants import (
 )
 from precond._common.schedules import check_update_prob_schedule
 from precond._common.validation import check_bool, check_choice, check_int, check_real
-from precond.jax._precision import MATMUL_PRECISIONS, check_floating_dtype
+from precond.jax._argument_trees import check_bool_leaves
+from precond.jax._precision import (
+    MATMUL_PRECISIONS,
+    check_floating_dtype,
+    check_momentum_dtype,
+)
 
 __all__ = [
     "KRON_ALIAS_ARGS",
@@ -106,9 +111,22 @@ def check_partition_specs_tree(name, value) -> None:
         )
 
 
+SCANNED_LAYERS_RULE = (
+    "None, a pytree of bools like the params, or a callable of the params returning one"
+)
+
+
+def check_scanned_layers(name, value) -> None:
+    """None, a callable of the params, or a pytree of bools; ``init`` matches it
+    against the params (and checks what a callable returns)."""
+    if value is None or callable(value):
+        return
+    check_bool_leaves(name, value, SCANNED_LAYERS_RULE)
+
+
 def checked_at_init(name, value) -> None:
-    """Pytrees matched against the params (``scanned_layers``,
-    ``params_partition_specs``): ``init`` checks them, with the params."""
+    """Pytrees matched against the params (``params_partition_specs``): ``init``
+    checks them, with the params."""
 
 
 def _positive(name, value, **kwargs) -> None:
@@ -128,7 +146,7 @@ KRON_ARGUMENT_CHECKS = {
     "memory_save_mode": functools.partial(check_choice, choices=MEMORY_SAVE_MODES),
     "preconditioner_lr": _positive,
     "preconditioner_init_scale": _positive,
-    "mu_dtype": check_floating_dtype,
+    "mu_dtype": check_momentum_dtype,
     "precond_dtype": check_floating_dtype,
     "precond_update_precision": functools.partial(
         check_choice, choices=MATMUL_PRECISIONS
@@ -136,7 +154,7 @@ KRON_ARGUMENT_CHECKS = {
     "precond_grads_precision": functools.partial(
         check_choice, choices=MATMUL_PRECISIONS
     ),
-    "scanned_layers": checked_at_init,
+    "scanned_layers": check_scanned_layers,
     "lax_map_scanned_layers": check_bool,
     "lax_map_batch_size": functools.partial(check_int, low=1),
     "merge_small_dims": _SHARED["merge_small_dims"],

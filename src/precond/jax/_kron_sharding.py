@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from precond.jax._argument_trees import tree_mismatch
+
 
 class ShardingPlan(NamedTuple):
     """How one call of Kron's init or update places arrays on the mesh."""
@@ -98,10 +100,14 @@ def per_parameter(option: Any, params: Any, name: str) -> list:
     except (ValueError, TypeError):
         entries = None
     if entries is None or any(len(jax.tree.leaves(box)) != 1 for box in boxes):
+        problem = tree_mismatch(
+            params, option, ("the params", name), full_is_leaf=is_spec_leaf
+        )
         raise ValueError(
             f"Invalid {name}: must have the structure of the params ({treedef}), "
             f"with one entry per parameter; got "
             f"{jax.tree.structure(option, is_leaf=is_spec_leaf)}"
+            + ("" if problem is None else f"; {problem}")
         )
     return entries
 
@@ -162,8 +168,16 @@ def _mesh_axes(spec: PartitionSpec) -> list[str]:
     return axes
 
 
-def check_spec(spec: Any, mesh: Any, name: str, ndim: int | None = None) -> None:
-    """A clear error unless ``spec`` is a PartitionSpec valid on ``mesh`` (if any)."""
+def check_spec(
+    spec: Any,
+    mesh: Any,
+    name: str,
+    ndim: int | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> None:
+    """A clear error unless ``spec`` is a PartitionSpec valid on ``mesh`` (if any)
+    for an array of ``ndim`` dims or of ``shape`` (whose dims the mesh axes that
+    split them must divide: JAX places no array unevenly)."""
     if not isinstance(spec, PartitionSpec):
         raise ValueError(f"Invalid {name}={spec!r}: must be a PartitionSpec")
     axes = _mesh_axes(spec)
@@ -176,11 +190,30 @@ def check_spec(spec: Any, mesh: Any, name: str, ndim: int | None = None) -> None
             )
     if len(set(axes)) != len(axes):
         raise ValueError(f"Invalid {name}={spec}: names a mesh axis twice")
+    if shape is not None:
+        ndim = len(shape)
     if ndim is not None and len(spec) > ndim:
         raise ValueError(
             f"Invalid {name}={spec}: has {len(spec)} entries for an array with "
             f"{ndim} dims"
         )
+    if shape is not None and mesh is not None:
+        _check_divides(spec, mesh, name, tuple(shape))
+
+
+def _check_divides(spec: PartitionSpec, mesh: Any, name: str, shape: tuple) -> None:
+    """Each dim of ``shape`` a multiple of the devices its mesh axes split it in."""
+    sizes = dict(mesh.shape)
+    for dim, entry in enumerate(spec):
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        pieces = math.prod(sizes[axis] for axis in axes)
+        if shape[dim] % pieces:
+            raise ValueError(
+                f"Invalid {name}={spec}: splits dim {dim} of the parameter's shape "
+                f"{shape} over mesh axes {axes} ({pieces} devices), which does "
+                f"not divide {shape[dim]} (mesh axis sizes: {sizes}); JAX places "
+                "no array unevenly"
+            )
 
 
 def plan_sharding(
@@ -241,7 +274,7 @@ def partition_specs_only(
         for spec, x, path in zip(
             specs, leaves, _leaf_paths(treedef, len(leaves)), strict=True
         ):
-            check_spec(spec, mesh, f"params_partition_specs{path}", ndim=x.ndim)
+            check_spec(spec, mesh, f"params_partition_specs{path}", shape=x.shape)
         specs = tuple(_canonical(spec) for spec in specs)
     if preconditioner_partition_spec is not None:
         check_spec(preconditioner_partition_spec, mesh, "preconditioner_partition_spec")

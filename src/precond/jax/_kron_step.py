@@ -439,10 +439,13 @@ def _momentum(config: KronConfig, step: _Step, mu, grads, finite, count):
     ]
     mus = step.sharding.constrain_params(mus)
     mu_hats = []
-    for m in mus:
+    for m, g in zip(mus, grads, strict=True):
         dtype = jnp.promote_types(m.dtype, jnp.float32)
         correction = 1 - jnp.asarray(b1, km.real_dtype(dtype)) ** count
-        mu_hats.append((m.astype(dtype) / correction).astype(m.dtype))
+        mu_hat = (m.astype(dtype) / correction).astype(m.dtype)
+        # A real gradient's complex momentum (mu_dtype complex) is real.
+        real = km.is_complex(m) and not km.is_complex(g)
+        mu_hats.append(jnp.real(mu_hat) if real else mu_hat)
     return mus, mu_hats
 
 

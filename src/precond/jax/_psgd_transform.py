@@ -44,9 +44,9 @@ from precond._common.validation import (
     check_real,
     is_concrete_number,
 )
-from precond._common.xla_workarounds import warn_if_xla_cpu_deadlock_possible
 from precond.jax._alias import with_decay_and_learning_rate
 from precond.jax._guards import (
+    accepting_scalars,
     all_finite,
     check_parameter_dtypes,
     check_state_matches,
@@ -60,7 +60,7 @@ from precond.jax._kron_math import complex_dtype, is_complex, squared_magnitude
 from precond.jax._kron_sharding import explicit_specs
 from precond.jax._precision import (
     MATMUL_PRECISIONS,
-    check_floating_dtype,
+    check_momentum_dtype,
     matmul_precision,
 )
 from precond.jax._psgd_placement import (
@@ -262,7 +262,7 @@ PSGD_ARGUMENT_CHECKS = {
         check_choice, choices=STEP_NORMALIZER_ORDERS
     ),
     "seed": lambda name, value: check_seed(value),
-    "mu_dtype": check_floating_dtype,
+    "mu_dtype": check_momentum_dtype,
     "precision": functools.partial(check_choice, choices=MATMUL_PRECISIONS),
     # Keyword-only, precond's (see _psgd_placement).
     "params_partition_specs": checked_at_init,
@@ -444,7 +444,8 @@ def momentum_estimate(
     updates: Any, mu: Any, b1: float, nesterov: bool, count: jax.Array
 ) -> tuple[Any, Any]:
     """(new m, m̂): m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ); Nesterov (Dozat, as
-    psgd-jax): m̂ = β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ). m keeps its dtype."""
+    psgd-jax): m̂ = β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ). m keeps its dtype; m̂ of a
+    real g is real (m may be complex: mu_dtype)."""
     moment = otu.tree_update_moment(updates, mu, b1, 1)
     if nesterov:
         m_hat = jax.tree.map(
@@ -454,6 +455,12 @@ def momentum_estimate(
         )
     else:
         m_hat = otu.tree_bias_correction(moment, b1, count)
+    # A real gradient's complex momentum (mu_dtype complex) is real.
+    m_hat = jax.tree.map(
+        lambda m, g: jnp.real(m) if is_complex(m) and not is_complex(g) else m,
+        m_hat,
+        updates,
+    )
     return jax.tree.map(lambda m, old: m.astype(old.dtype), moment, mu), m_hat
 
 
@@ -498,7 +505,6 @@ def scale_by_psgd(
     and ``precision`` only here (the caller's preconditioner uses them)."""
     arguments = dict(locals())  # first: locals() = the arguments
     check_arguments(PSGD_ARGUMENT_CHECKS, arguments)
-    warn_if_xla_cpu_deadlock_possible()
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None
     placement = {name: arguments[name] for name in PLACEMENT_ARGUMENTS}
@@ -551,4 +557,6 @@ def scale_by_psgd(
 
     # optax's OptState (chex.ArrayTree) admits neither a None leaf (PSGDState.mu
     # without momentum) nor a state type narrower than any ArrayTree.
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    return accepting_scalars(
+        optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+    )

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from precond.jax._kron_sharding import (
     ShardingPlan,
+    check_spec,
     explicit_specs,
     partition_specs_only,
 )
@@ -57,6 +58,22 @@ def parameter_placement(params: Any, config: Config) -> ShardingPlan | None:
             "or pass mesh=... to distributed_shampoo or scale_by_shampoo"
         )
     return plan
+
+
+def check_stack_specs(config: Config) -> None:
+    """At ``init``: ``preconditioner_partition_spec`` and the stored
+    ``statistics_partition_spec``, when PartitionSpecs, name only axes of the
+    mesh they will be used on (the context mesh, else ``mesh``), each error
+    naming the argument (JAX's would name neither, at the first update)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = config.mesh
+    if mesh is None:
+        return
+    for name in ("preconditioner_partition_spec", "statistics_partition_spec"):
+        spec = getattr(config, name)
+        if isinstance(spec, PartitionSpec):
+            check_spec(spec, mesh, name)
 
 
 def _placed(x: jax.Array, spec: PartitionSpec, plan: ShardingPlan) -> jax.Array:

@@ -33,6 +33,7 @@ from precond._common.validation import check_bool, check_int
 from precond.jax import _kron_math as km
 from precond.jax._guards import is_params_placeholder
 from precond.jax._kron_sharding import typed_sharding
+from precond.jax._pool_safe_linalg import triangular_solve
 from precond.jax._precision import matmul_precision
 from precond.jax._psgd_transform import (
     Preconditioner,
@@ -52,7 +53,9 @@ AFFINE_STATIC_ARGS = ("max_size_triangular", "max_skew_triangular")
 
 
 class AffineFactors(NamedTuple):
-    """Q = Q_r ⊗ Q_l of one parameter viewed as a (d₁, d₂) matrix."""
+    """Q = Q_r ⊗ Q_l of one parameter viewed as a (d₁, d₂) matrix. In the state,
+    one AffineFactors holds every parameter's: ``left`` and ``right`` are trees
+    like the parameters of the arrays below."""
 
     left: jax.Array  # (d₁, d₁) upper triangular, or (d₁,) for a diagonal Q_l
     right: jax.Array  # (d₂, d₂) upper triangular, or (d₂,) for a diagonal Q_r
@@ -173,7 +176,7 @@ def _inverse(Q: jax.Array) -> jax.Array:
     if km.is_diagonal(Q):
         return 1 / Q
     identity = jnp.eye(Q.shape[0], dtype=Q.dtype)
-    return jax.lax.linalg.triangular_solve(Q, identity, left_side=True, lower=False)
+    return triangular_solve(Q, identity, left_side=True, lower=False)
 
 
 def expected_noise_grams(Qs: Sequence[jax.Array]) -> list[jax.Array]:
@@ -308,8 +311,9 @@ def affine_preconditioner(
 ) -> Preconditioner:
     """Affine's :class:`~precond.jax._psgd_transform.Preconditioner`.
 
-    The factors are a tree like the parameters with one :class:`AffineFactors`
-    per leaf, in promote(parameter dtype, float32). A fit on (v, h): per leaf,
+    The factors are one :class:`AffineFactors` whose ``left`` and ``right`` are
+    trees like the parameters (each parameter's Q_l and Q_r), in
+    promote(parameter dtype, float32). A fit on (v, h): per leaf,
     (1) at the first fit with automatic scaling, both factors are multiplied by
     (Σv²/Σh²)^{1/8}, so P by (Σv²/Σh²)^{1/2} (Σv² = numel in whitening mode);
     (2) :func:`affine_update`; (3) with probability 0.01 (a draw per leaf) the
@@ -356,7 +360,31 @@ def _init_all(
             max_skew_triangular,
         )
 
-    return jax.tree.map(leaf_factors, params), key
+    leaves, treedef = jax.tree.flatten(params)
+    return _as_trees([leaf_factors(p) for p in leaves], treedef), key
+
+
+def _as_trees(per_leaf: Sequence[AffineFactors], treedef) -> AffineFactors:
+    """One :class:`AffineFactors` per parameter as the state keeps them: the
+    Q_l's and the Q_r's, each a tree like the parameters (of arrays, which
+    every tree library round-trips: flax's ``nnx.Optimizer`` turns a
+    NamedTuple inside a parameter's entry into an ``nnx.State``)."""
+    return AffineFactors(
+        left=treedef.unflatten([f.left for f in per_leaf]),
+        right=treedef.unflatten([f.right for f in per_leaf]),
+    )
+
+
+def _per_leaf(factors: AffineFactors, treedef) -> list[AffineFactors]:
+    """The inverse of :func:`_as_trees`: (Q_l, Q_r) of each parameter."""
+    return [
+        AffineFactors(left, right)
+        for left, right in zip(
+            treedef.flatten_up_to(factors.left),
+            treedef.flatten_up_to(factors.right),
+            strict=True,
+        )
+    ]
 
 
 def _fit_leaf(factors, h, v, balance, lr, first, newton, step_normalizer_order):
@@ -461,7 +489,7 @@ def _fit_all(
     """Every leaf's :func:`_fit_leaf`, each with the draws of its share of
     ``key`` (:func:`_leaf_keys`; in Newton mode only the balancing decision)."""
     treedef = jax.tree.structure(h)
-    leaf_factors = treedef.flatten_up_to(factors)
+    leaf_factors = _per_leaf(factors, treedef)
     keys = jax.random.split(key, max(len(leaf_factors), 1))[: len(leaf_factors)]
     hs = _matrix_views(h, permute_axes)
     # Whitening samples v ~ N(0, I) like h (in the fit's dtype) where it does
@@ -486,7 +514,7 @@ def _fit_all(
                 leaf_factors, hs, vs, balances, strict=True
             )
         ]
-    return treedef.unflatten(new)
+    return _as_trees(new, treedef)
 
 
 def _precondition_leaf(factors: AffineFactors, x: jax.Array, permute_axes: bool):
@@ -499,7 +527,7 @@ def _precondition_leaf(factors: AffineFactors, x: jax.Array, permute_axes: bool)
 def _apply_all(factors, m, *, precision, permute_axes):
     """P·m leaf by leaf."""
     leaves, treedef = jax.tree.flatten(m)
-    leaf_factors = treedef.flatten_up_to(factors)
+    leaf_factors = _per_leaf(factors, treedef)
     with (
         matmul_precision(precision),
         jax.named_scope("precond/affine/precondition"),
@@ -556,8 +584,8 @@ def scale_by_affine(
     (3) U = P·m̂, clipped to global norm ``update_global_norm_clip``. A NaN/Inf
     gradient gives a zero update and leaves the state unchanged.
 
-    The state is a :class:`~precond.jax.PSGDState` whose ``preconditioner`` is a
-    tree like the parameters of :class:`AffineFactors`.
+    The state is a :class:`~precond.jax.PSGDState` whose ``preconditioner`` is an
+    :class:`AffineFactors` of two trees like the parameters (the Q_l's, the Q_r's).
 
     Args:
         preconditioner_update_probability: probability of fitting Q each step.

@@ -12,9 +12,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from precond._common.validation import check_real, is_concrete_number
+from precond._common.validation import check_bool, check_real, is_concrete_number
 from precond.jax._kron_math import conj
 
 # Extra arguments of an optimizer's ``update`` that switch its fit to Newton mode.
@@ -162,14 +163,11 @@ def hessian_helper(*args, **kwargs) -> tuple[Any, Any, Any, Any, jax.Array]:
     loss_fn, params = bound["loss_fn"], bound["params"]
     loss_fn_extra_args, has_aux = bound["loss_fn_extra_args"], bound["has_aux"]
     preconditioner_update_probability = bound["preconditioner_update_probability"]
-    check_real(
-        "preconditioner_update_probability",
-        preconditioner_update_probability,
-        low=0.0,
-        high=1.0,
-    )
+    _check_helper_arguments(bound)
     vector_key, decision_key = jax.random.split(key)
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    value_and_grad = jax.value_and_grad(
+        _checked_loss(loss_fn, has_aux), has_aux=has_aux
+    )
     gradients = (value_and_grad, loss_fn_extra_args)
     without_hvp = functools.partial(_gradients_without_hvp, *gradients)
     with_hvp = functools.partial(_gradients_with_hvp, *gradients, vector_key)
@@ -184,6 +182,74 @@ def hessian_helper(*args, **kwargs) -> tuple[Any, Any, Any, Any, jax.Array]:
         update = update | (jnp.asarray(train_step) < 2)
     loss_out, grads, hvp, vector = jax.lax.cond(update, with_hvp, without_hvp, params)
     return loss_out, grads, hvp, vector, update
+
+
+def _check_helper_arguments(bound: dict) -> None:
+    """``hessian_helper``'s arguments (bound by name): ``loss_fn`` a callable
+    that ``(params, *loss_fn_extra_args)`` fits (where its signature is known),
+    ``loss_fn_extra_args`` a tuple or list, ``has_aux`` a bool, the probability
+    in [0, 1]: errors naming the argument."""
+    check_real(
+        "preconditioner_update_probability",
+        bound["preconditioner_update_probability"],
+        low=0.0,
+        high=1.0,
+    )
+    loss_fn, params = bound["loss_fn"], bound["params"]
+    extra_args, has_aux = bound["loss_fn_extra_args"], bound["has_aux"]
+    if not callable(loss_fn):
+        raise TypeError(
+            f"Invalid loss_fn={loss_fn!r}: must be a callable "
+            "loss_fn(params, *loss_fn_extra_args)"
+        )
+    if not isinstance(extra_args, tuple | list):
+        raise TypeError(
+            f"Invalid loss_fn_extra_args={extra_args!r}: must be a tuple (or list) "
+            "of loss_fn's positional arguments after params"
+        )
+    check_bool("has_aux", has_aux)
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin, or a callable without one
+        return
+    try:
+        signature.bind(params, *extra_args)
+    except TypeError as error:
+        raise TypeError(
+            f"Invalid loss_fn_extra_args={extra_args!r}: loss_fn{signature} is "
+            f"called as loss_fn(params, *loss_fn_extra_args): {error}"
+        ) from None
+
+
+def _kind_of(value) -> str:
+    if hasattr(value, "shape"):
+        return f"an array of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _checked_loss(loss_fn, has_aux):
+    """``loss_fn``, with its output checked where it is traced: (loss, aux)
+    with ``has_aux``, else the loss alone, a scalar either way."""
+
+    def loss(params, *extra_args):
+        out = loss_fn(params, *extra_args)
+        is_pair = isinstance(out, tuple | list) and len(out) == 2
+        if has_aux and not is_pair:
+            raise TypeError(
+                "Invalid has_aux=True: loss_fn must then return (loss, aux); it "
+                f"returned {_kind_of(out)}"
+            )
+        if not has_aux and isinstance(out, tuple | list):
+            raise TypeError(
+                f"Invalid has_aux=False: loss_fn returned a {type(out).__name__}; "
+                "pass has_aux=True if it is (loss, aux)"
+            )
+        shape = np.shape(out[0] if has_aux else out)
+        if shape != ():
+            raise TypeError(f"loss_fn must return a scalar loss; got shape {shape}")
+        return out
+
+    return loss
 
 
 def _gradients_without_hvp(value_and_grad, extra_args, params):

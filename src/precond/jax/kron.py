@@ -141,6 +141,7 @@ from precond._common.kron_constants import MAX_UPDATE_RMS as MAX_UPDATE_RMS
 from precond._common.kron_plan import StackPlan, TensorPlan, seed_factor_sizes
 from precond.jax import _kron_math as km
 from precond.jax._alias import with_decay_and_learning_rate
+from precond.jax._guards import accepting_scalars
 from precond.jax._kron_arguments import (
     KRON_ALIAS_ARGS,
     KRON_STATIC_ARGS,
@@ -244,12 +245,12 @@ def scale_by_kron(
         >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, opt.init(params))
     """
     config = kron_config(locals())  # locals() are the arguments
-    # optax's OptState (chex.ArrayTree) admits neither a None leaf (KronState.mu
-    # without momentum) nor a state type narrower than any ArrayTree.
-    return optax.GradientTransformationExtraArgs(
+    # optax's OptState admits no None leaf (mu) nor a narrower state type.
+    core = optax.GradientTransformationExtraArgs(
         partial(init, config),  # pyright: ignore[reportArgumentType]
         partial(update, config),  # pyright: ignore[reportArgumentType]
     )
+    return accepting_scalars(core)
 
 
 def kron(

@@ -34,7 +34,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
@@ -59,15 +58,20 @@ from precond._common.validation import (
 )
 from precond.jax import _kron_math as km
 from precond.jax import _normal_draws
-from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
+from precond.jax._alias import ALIAS_ARGUMENT_CHECKS, with_mask_checked_at_init
+from precond.jax._argument_trees import check_fits_params, check_per_parameter_bools
 from precond.jax._blocks import cut, join
 from precond.jax._guards import (
+    accepting_scalars,
     check_parameter_dtypes,
     check_state_matches,
     is_params_placeholder,
 )
-from precond.jax._kron_arguments import check_partition_specs_tree
-from precond.jax._kron_sharding import is_box
+from precond.jax._kron_arguments import (
+    check_partition_specs_tree,
+    check_scanned_layers,
+)
+from precond.jax._kron_sharding import is_box, partition_specs_only
 from precond.jax._psgd_transform import arguments_for, with_auto_axes
 from precond.jax._step_policy import (
     fields_unless_skipped,
@@ -167,18 +171,6 @@ def _check_optional_axis(name: str, value) -> None:
         raise TypeError(f"Invalid {name}={value!r}: must be None or a mesh axis name")
 
 
-def _check_scanned_layers(name: str, value) -> None:
-    """None, a callable of the params, or a pytree of bools (matched against the
-    params at ``init``)."""
-    if value is None or callable(value):
-        return
-    if not all(isinstance(x, bool | np.bool_) for x in jax.tree.leaves(value)):
-        raise TypeError(
-            f"Invalid {name}={value!r}: must be None, a pytree of bools like the "
-            "params, or a callable of the params returning one"
-        )
-
-
 # Every argument of scale_by_pro (and pro's own, from the alias table), with the
 # check run at construction: Invalid <name>=<value!r>: must be <rule>, in
 # signature order. The arguments precond.torch.Pro takes under the same name and
@@ -195,7 +187,7 @@ PRO_ARGUMENT_CHECKS = {
     "preconditioner_init_scale": _SHARED["preconditioner_init_scale"],
     "preconditioner_update_style": _SHARED["preconditioner_update_style"],
     "dtype": _check_dtype,
-    "scanned_layers": _check_scanned_layers,
+    "scanned_layers": check_scanned_layers,
     "block_size": _SHARED["block_size"],
     "pipeline_axis_name": _check_optional_axis,
     "pipeline_axis_size": lambda n, v: check_int(n, v, low=1),
@@ -232,10 +224,20 @@ def _unboxed(tree):
 
 
 def _scanned_flags(scanned_layers, params, treedef) -> list[bool]:
+    """Per leaf of ``params``, whether it stacks layers: ``scanned_layers``
+    (called on ``params`` if callable), checked against them."""
     if scanned_layers is None:
         return [False] * treedef.num_leaves
     flags = scanned_layers(params) if callable(scanned_layers) else scanned_layers
-    return [bool(f) for f in treedef.flatten_up_to(flags)]
+    try:
+        entries = treedef.flatten_up_to(flags)
+    except (ValueError, TypeError):
+        check_fits_params("scanned_layers", flags, params, prefix=False)
+        raise
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [jax.tree_util.keystr(path) for path, _ in leaves_with_paths]
+    check_per_parameter_bools("scanned_layers", entries, paths)
+    return [bool(f) for f in entries]
 
 
 class _Recipe(NamedTuple):
@@ -526,6 +528,15 @@ def _init(params, *, recipe: _Recipe) -> ProState:
         return _placeholder_state(params, recipe.keep_momentum)
     leaves, treedef, _ = _unboxed(params)
     check_parameter_dtypes(treedef.unflatten(leaves), "PSGD pro", complex_ok=False)
+    if recipe.params_partition_specs is not None:
+        # Structure, rank, mesh axes and divisibility, against the context mesh
+        # (which pro's sharding constraints name), each error naming the leaf.
+        partition_specs_only(
+            treedef.unflatten(leaves),
+            params_partition_specs=recipe.params_partition_specs,
+            preconditioner_partition_spec=None,
+            mesh=None,
+        )
     plan = _plan_for(leaves, treedef, recipe)
     mu = None
     if recipe.keep_momentum:
@@ -634,9 +645,11 @@ def scale_by_pro(
     recipe = _recipe(arguments)
     # optax's OptState (chex.ArrayTree) admits no state type narrower than any
     # ArrayTree.
-    return optax.GradientTransformationExtraArgs(
-        functools.partial(_init, recipe=recipe),
-        functools.partial(_update, recipe=recipe),  # pyright: ignore[reportArgumentType]
+    return accepting_scalars(
+        optax.GradientTransformationExtraArgs(
+            functools.partial(_init, recipe=recipe),
+            functools.partial(_update, recipe=recipe),  # pyright: ignore[reportArgumentType]
+        )
     )
 
 
@@ -674,7 +687,11 @@ def pro(
     for name in ("learning_rate", "weight_decay", "weight_decay_mask"):
         ALIAS_ARGUMENT_CHECKS[name](name, locals()[name])
     transforms: list[optax.GradientTransformation] = [
-        scale_by_pro(**arguments_for(scale_by_pro, locals()))
+        with_mask_checked_at_init(
+            scale_by_pro(**arguments_for(scale_by_pro, locals())),
+            "weight_decay_mask",
+            weight_decay_mask,
+        )
     ]
     if not (isinstance(weight_decay, int | float) and weight_decay <= 0):
         transforms.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))

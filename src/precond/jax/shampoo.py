@@ -172,6 +172,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from precond.jax._guards import accepting_scalars
 from precond.jax._psgd_transform import with_auto_axes
 
 # shampoo._ARGUMENT_CHECKS: the table docs/make_arguments.py and the tests read.
@@ -184,7 +185,7 @@ from precond.jax._shampoo_config import (
     PreconditionerType,
     validated,
 )
-from precond.jax._shampoo_placement import placed_state
+from precond.jax._shampoo_placement import check_stack_specs, placed_state
 from precond.jax._shampoo_seed import (
     ParameterStats,
     SeedShampooState,
@@ -395,9 +396,10 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         )
 
     def init(params):
+        check_stack_specs(config)
         return placed_state(init_state(params, config), params, config)[1]
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return accepting_scalars(optax.GradientTransformationExtraArgs(init, update))
 
 
 def _seed_init_fns(arguments: dict, state_init: Callable) -> Callable:
