@@ -96,6 +96,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
     from precond.jax.affine import AFFINE_ARGUMENT_CHECKS
     from precond.jax.lra import LRA_ARGUMENT_CHECKS
     from precond.jax.pro import PRO_ARGUMENT_CHECKS
+    from precond.jax.pro_adamw import PRO_ADAMW_ARGUMENT_CHECKS
 
     psgd = {**ALIAS_ARGUMENT_CHECKS, **PSGD_ARGUMENT_CHECKS}
     entries = [
@@ -109,6 +110,12 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
             "precond.jax.pro",
             pj.pro,
             {**ALIAS_ARGUMENT_CHECKS, **PRO_ARGUMENT_CHECKS},
+            (),
+        ),
+        (
+            "precond.jax.pro_adamw",
+            pj.pro_adamw,
+            dict(PRO_ADAMW_ARGUMENT_CHECKS),
             (),
         ),
         ("precond.jax.xmat", pj.xmat, psgd, ()),
@@ -129,6 +136,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
     try:
         import precond.torch.kron as torch_kron
         import precond.torch.pro as torch_pro
+        import precond.torch.pro_adamw as torch_pro_adamw
         from precond.torch.kfac import preconditioner as kfac
     except ModuleNotFoundError:  # no torch: the JAX tables only
         return entries
@@ -144,6 +152,12 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
             "precond.torch.Pro",
             torch_pro.Pro,
             dict(torch_pro.GROUP_ARGUMENTS + torch_pro.OPTIMIZER_ARGUMENTS),
+            ("params",),
+        ),
+        (
+            "precond.torch.ProAdamW",
+            torch_pro_adamw.ProAdamW,
+            dict(torch_pro_adamw.GROUP_ARGUMENTS + torch_pro_adamw.OPTIMIZER_ARGUMENTS),
             ("params",),
         ),
         ("precond.torch.kfac.KFAC", kfac.KFAC, dict(kfac._ARGUMENT_CHECKS), ("model",)),

@@ -73,10 +73,10 @@ def _shampoo(graft, quantised):
 
 # name ↦ (learning rate ↦ optimizer): every public JAX optimizer and variant, for
 # the tables that run over all of them (robustness, checkpoints): Kron in every
-# update style (EQ in every cache), pro (distributed-kron 2.0.0's), XMat, LRA,
-# Affine, and Shampoo in every grafting type. Kron, pro, XMat, LRA and Affine
-# update their preconditioner at random steps (probability 0.5); Shampoo
-# preconditions from step 2 on blocks of 4.
+# update style (EQ in every cache), pro (distributed-kron 2.0.0's), pro_adamw,
+# XMat, LRA, Affine, and Shampoo in every grafting type. Kron, pro, pro_adamw,
+# XMat, LRA and Affine update their preconditioner at random steps (probability
+# 0.5); Shampoo preconditions from step 2 on blocks of 4.
 EVERY_OPTIMIZER = {
     "kron-EQ-packed": _kron("EQ"),
     "kron-EQ-dense": _kron("EQ", "dense"),
@@ -89,6 +89,11 @@ EVERY_OPTIMIZER = {
     # after 50 steps). No weight decay, as the others (pro's default is 0.1).
     "pro": lambda lr: pj.pro(
         5 * lr, weight_decay=0.0, preconditioner_update_probability=0.5
+    ),
+    # pro on the hidden matrices (here every ≥2-D leaf), AdamW on the rest, at
+    # AdamW's rate (pro at 4 times it); no weight decay, as the others.
+    "pro_adamw": lambda lr: pj.pro_adamw(
+        lr, weight_decay=0.0, preconditioner_update_probability=0.5
     ),
     "xmat": lambda lr: pj.xmat(lr, preconditioner_update_probability=0.5),
     "lra": lambda lr: pj.low_rank_approximation(

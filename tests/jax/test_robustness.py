@@ -148,6 +148,11 @@ def test_mixed_magnitudes_in_one_tensor_are_refused_as_one_bad_step():
 DECAYING = {
     "kron": (lambda: pj.kron(LEARNING_RATE, weight_decay=0.1), True),
     "pro": (lambda: pj.pro(LEARNING_RATE, weight_decay=0.1), True),
+    # Both parts at one rate, so that every leaf decays by −lr·λ·θ.
+    "pro_adamw": (
+        lambda: pj.pro_adamw(LEARNING_RATE, weight_decay=0.1, pro_lr_multiplier=1.0),
+        True,
+    ),
     "xmat": (lambda: pj.xmat(LEARNING_RATE, weight_decay=0.1), True),
     "lra": (lambda: pj.low_rank_approximation(LEARNING_RATE, weight_decay=0.1), True),
     "affine": (lambda: pj.affine(LEARNING_RATE, weight_decay=0.1), True),

@@ -9,7 +9,7 @@ torch's suite matches it, the words) torch's optimizers raise, a state dict
 saved, loaded and saved again is the same, and the Optimizer API (zero_grad,
 add_param_group, state_dict, closures, hooks) behaves as documented. Skipped
 steps (unusable gradients) are counted, checkpointed and logged once. Every row runs on
-precond.torch.Kron and precond.torch.Pro (``OPTIMIZERS``); each stage of a step
+precond.torch.Kron, Pro and ProAdamW (``OPTIMIZERS``); each stage of a step
 is a ``torch.profiler.record_function`` range; ``torch.compile`` of the step
 runs it eagerly.
 
@@ -31,7 +31,7 @@ import warnings
 import pytest
 import torch
 
-from precond.torch import Kron, Pro
+from precond.torch import Kron, Pro, ProAdamW
 
 LR = 0.05
 
@@ -40,6 +40,8 @@ LR = 0.05
 OPTIMIZERS = {
     "Kron": (Kron, {"seed", "strategy", "compile_kernels"}, "precond/kron"),
     "Pro": (Pro, {"seed"}, "precond/pro"),
+    # Pro on the (4, 3) matrix, AdamW on the vector and the scalar.
+    "ProAdamW": (ProAdamW, {"seed"}, "precond/pro"),
 }
 STAGES = ("momentum", "update_factors", "precondition", "apply_updates")
 

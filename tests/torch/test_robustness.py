@@ -1,6 +1,7 @@
 """The torch robustness table: ONE table of hostile gradients and parameters, run
-against every public torch optimizer (PSGD Kron in three factor layouts; K-FAC
-with each distributed strategy, preconditioning the gradients of an SGD step).
+against every public torch optimizer (PSGD Kron in three factor layouts; ProAdamW,
+pro on the weight and AdamW on the bias; K-FAC with each distributed strategy,
+preconditioning the gradients of an SGD step).
 
 Properties, each against an oracle:
 
@@ -13,7 +14,9 @@ Properties, each against an oracle:
   target by L = mean|θ − t|²): the state stays finite after every step and L
   falls, or the optimizer refuses the parameter at construction with a clear
   error. K-FAC preconditions Linear/Conv2d layers, not bare parameters: it has
-  no shape rows here (its empty and size-1 layers: tests/torch/test_kfac.py).
+  no shape rows here (its empty and size-1 layers: tests/torch/test_kfac.py);
+  nor has ProAdamW (its bare parameters are Pro's or AdamW's: the JAX table
+  runs pro_adamw's, tests/jax/test_robustness.py).
 
 Policy (DESIGN.md §5, precond.jax's): Kron skips a step whose gradient's squared
 norm is not finite in its working precision (NaN, ±Inf, entries ≳ 1.8e19 in
@@ -35,7 +38,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from precond.torch import Kron
+from precond.torch import Kron, ProAdamW
 from precond.torch.kfac import KFAC, DistributedStrategy
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -75,6 +78,29 @@ def _kron(**kwargs):
     return build
 
 
+def _pro_adamw(model: nn.Module) -> Built:
+    # Reaches the least-squares floor within 30 steps, as Kron's rows: AdamW's
+    # rate 0.3·0.92^n on the bias, 4 times it on the weight (pro); no weight
+    # decay, so that zero gradients move nothing.
+    optimizer = ProAdamW(model.named_parameters(), lr=0.3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
+
+    def step():
+        optimizer.step()
+        schedule.step()
+
+    def state():
+        tensors = []
+        for entry in optimizer.state.values():
+            for key in ("momentum", "exp_avg", "exp_avg_sq"):
+                tensors += [entry[key]] if key in entry else []
+            for sides in entry.get("factors", []) + entry.get("lipschitz", []):
+                tensors += sides
+        return tensors
+
+    return Built(step, state)
+
+
 def _kfac(strategy: DistributedStrategy):
     def build(model: nn.Module) -> Built:
         # Reaches the least-squares floor within 30 steps.
@@ -105,9 +131,12 @@ OPTIMIZERS = {
     "kron": _kron(),
     "kron-one_diag": _kron(memory_save_mode="one_diag"),
     "kron-all_diag": _kron(memory_save_mode="all_diag"),
+    "pro-adamw": _pro_adamw,
     **{f"kfac-{s.name}": _kfac(s) for s in DistributedStrategy},
 }
 KFAC_ROWS = [name for name in OPTIMIZERS if name.startswith("kfac")]
+# The rows whose shape cases run (on bare parameters, with Kron).
+SHAPE_ROWS = [name for name in OPTIMIZERS if name.startswith("kron")]
 
 
 # --- the cases ------------------------------------------------------------------
@@ -168,14 +197,14 @@ CASES = {
 
 
 def _params():
-    """Every (optimizer, case), except the shape cases for K-FAC: it
-    preconditions Linear/Conv2d layers, not bare tensors (its empty and size-1
-    layers are in tests/torch/test_kfac.py)."""
+    """Every (optimizer, case), except the shape cases for K-FAC (it
+    preconditions Linear/Conv2d layers, not bare tensors: its empty and size-1
+    layers are in tests/torch/test_kfac.py) and ProAdamW."""
     return [
         pytest.param(name, case, id=f"{name}-{case}")
         for case in CASES
         for name in OPTIMIZERS
-        if not (name in KFAC_ROWS and CASES[case].kind == "shape")
+        if name in SHAPE_ROWS or CASES[case].kind != "shape"
     ]
 
 

@@ -218,6 +218,19 @@ def _make_pro(learning_rate, weight_decay: float):
     return pro(learning_rate=learning_rate, weight_decay=weight_decay)
 
 
+def _make_pro_adamw(
+    learning_rate, weight_decay: float, *, hidden_matrices: Callable[[Any], Any]
+):
+    """``precond.jax.pro_adamw`` (its defaults: pro at 4 times AdamW's rate on
+    the hidden matrices, b1 0.5, 'QEQ' fits on its schedule; AdamW on the rest)
+    with the workload's split, Muon's (the one the recipe was measured with)."""
+    from precond.jax import pro_adamw
+
+    return pro_adamw(
+        learning_rate, weight_decay=weight_decay, preconditioned=hidden_matrices
+    )
+
+
 def _make_psgd_jax(alias: str) -> Callable:
     """A factory of psgd-jax's ``alias`` (``xmat``, ``low_rank_approximation``,
     ``affine``) with its defaults: whitening, a fit every step."""
@@ -376,6 +389,22 @@ def _make_torch_pro(model, lr: float, weight_decay: float) -> TorchOptimizer:
     from precond.torch import Pro
 
     return TorchOptimizer(Pro(model.parameters(), lr=lr, weight_decay=weight_decay))
+
+
+def _make_torch_pro_adamw(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    """``precond.torch.ProAdamW`` with its defaults, pro on
+    ``model.hidden_matrices()`` and AdamW on the other parameters."""
+    from precond.torch import ProAdamW
+
+    hidden = {id(p) for p in model.hidden_matrices()}
+    groups = [
+        {
+            "params": [p for p in model.parameters() if (id(p) in hidden) is pro],
+            "preconditioned": pro,
+        }
+        for pro in (True, False)
+    ]
+    return TorchOptimizer(ProAdamW(groups, lr=lr, weight_decay=weight_decay))
 
 
 def _make_torch_adamw(model, lr: float, weight_decay: float) -> TorchOptimizer:
@@ -542,6 +571,21 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_pro,
             make_torch=_make_torch_pro,
             learning_rates=LEARNING_RATES["pro"],
+        ),
+        OptimizerSpec(
+            name="pro-adamw",
+            description="pro on hidden weight matrices, AdamW on the rest "
+            "(precond.jax.pro_adamw / precond.torch.ProAdamW, their defaults: pro "
+            "at 4 times the AdamW rate, b1 0.5, 'QEQ' fits on a schedule); not in "
+            "the default suite",
+            make=_make_pro_adamw,
+            make_torch=_make_torch_pro_adamw,
+            # AdamW's rates: pro_adamw takes AdamW's rate (pro runs at 4 times
+            # it), the rule measured on the char-lm (BENCHMARKS.md, "pro on the
+            # hidden matrices, AdamW on the rest"); not swept on its own.
+            learning_rates=LEARNING_RATES["adamw"],
+            default=False,
+            partitioned=True,
         ),
         *(
             OptimizerSpec(

@@ -5,14 +5,14 @@
 ``lra``) and ``affine`` (PSGD XMat, LRA and Affine, with their ``scale_by_*``
 cores and ``PSGDState``); ``hessian_helper`` for Newton-mode fitting;
 ``pro`` / ``scale_by_pro`` (distributed-kron 2.0's generation-2 PSGD recipe)
-and ``pro_opt_state_partition_specs``; ``distributed_shampoo`` (Google's
+and ``pro_opt_state_partition_specs``; ``pro_adamw`` (pro on the hidden
+weight matrices, AdamW on the rest: the recipe measured best) with its split
+``pro_adamw_hidden_matrices``; ``distributed_shampoo`` (Google's
 Distributed Shampoo, with its state helpers and the matrix functions
 ``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``).
 Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
-# First, before anything imports jax: adds XLA:CPU's deadlock flag to XLA_FLAGS.
-from precond.jax import _xla_setup  # noqa: F401  # isort: skip
 from precond.jax._psgd_transform import PSGDState
 from precond.jax._shampoo_math import (
     QuantizedArray,
@@ -45,6 +45,11 @@ from precond.jax.pro import (
     pro_opt_state_partition_specs,
     scale_by_pro,
 )
+from precond.jax.pro_adamw import (
+    PRO_ADAMW_STATIC_ARGS,
+    pro_adamw,
+    pro_adamw_hidden_matrices,
+)
 from precond.jax.shampoo import (
     SCALE_BY_SHAMPOO_STATIC_ARGS,
     SHAMPOO_STATIC_ARGS,
@@ -68,6 +73,7 @@ __all__ = [
     "AFFINE_STATIC_ARGS",
     "KRON_STATIC_ARGS",
     "LRA_STATIC_ARGS",
+    "PRO_ADAMW_STATIC_ARGS",
     "PRO_STATIC_ARGS",
     "SCALE_BY_SHAMPOO_STATIC_ARGS",
     "SHAMPOO_STATIC_ARGS",
@@ -98,6 +104,8 @@ __all__ = [
     "power_iteration",
     "precond_update_prob_schedule",
     "pro",
+    "pro_adamw",
+    "pro_adamw_hidden_matrices",
     "pro_opt_state_partition_specs",
     "scale_by_affine",
     "scale_by_kron",

@@ -191,6 +191,10 @@ class Pro(shared.CheckedOptimizer):
         >>> loss = optimizer.step(closure)
     """
 
+    # The state entries load_state_dict copies as saved (dtype kept, storage
+    # not shared with the state dict's tensors).
+    _KEPT_STATE: tuple[str, ...] = (MOMENTUM, FACTORS, LIPSCHITZ)
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -238,6 +242,14 @@ class Pro(shared.CheckedOptimizer):
         full = full_gradients([p for _, p, _ in entries])
         if self._skipped_for_unusable_gradients(entries, full):
             return loss
+        self._step_entries(entries, full)
+        return loss
+
+    def _step_entries(self, entries: list, full: list[torch.Tensor]) -> None:
+        """Steps the parameters of ``entries`` ((group, parameter, index), from
+        ``shared.gradient_entries``) on their whole gradients ``full``, bucket
+        by bucket (parameters of one group sharing a step count and an update
+        counter)."""
         grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
         buckets: dict[tuple, list] = defaultdict(list)
         for group, p, i in entries:
@@ -246,7 +258,6 @@ class Pro(shared.CheckedOptimizer):
             buckets[key].append((group, p, i))
         for bucket in buckets.values():
             self._step_bucket(bucket, grads)
-        return loss
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict:
         state = self.state[p]
@@ -426,7 +437,7 @@ class Pro(shared.CheckedOptimizer):
                         f"shapes {found}, expected {expected} (another model's "
                         "checkpoint, or another max_size_dense or block_size?)"
                     )
-        self._load_keeping_dtypes(state_dict, (MOMENTUM, FACTORS, LIPSCHITZ))
+        self._load_keeping_dtypes(state_dict, self._KEPT_STATE)
 
 
 def _momentum_step(
