@@ -3,4 +3,4 @@
 Importing ``precond`` imports neither JAX nor PyTorch; use ``precond.jax``.
 """
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
