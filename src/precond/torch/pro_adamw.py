@@ -249,18 +249,18 @@ def _adamw_step(state: dict, entries: list) -> None:
         grads = [p.grad for p in params]
         m = [entry[EXP_AVG] for _, _, entry in bucket]
         v = [entry[EXP_AVG_SQ] for _, _, entry in bucket]
-        torch._foreach_mul_(m, b1)
-        torch._foreach_add_(m, grads, alpha=1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        denominator = torch._foreach_div(v, 1 - b2**n)
-        torch._foreach_sqrt_(denominator)
-        torch._foreach_add_(denominator, eps)
-        update = torch._foreach_div(m, 1 - b1**n)
-        torch._foreach_div_(update, denominator)
+        torch._foreach_mul_(m, b1)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_add_(m, grads, alpha=1 - b1)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_mul_(v, b2)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)  # pyright: ignore[reportPrivateImportUsage]
+        denominator = torch._foreach_div(v, 1 - b2**n)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_sqrt_(denominator)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_add_(denominator, eps)  # pyright: ignore[reportPrivateImportUsage]
+        update = torch._foreach_div(m, 1 - b1**n)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_div_(update, denominator)  # pyright: ignore[reportPrivateImportUsage]
         if decay:
-            torch._foreach_add_(update, params, alpha=decay)
-        torch._foreach_add_(params, update, alpha=-lr)
+            torch._foreach_add_(update, params, alpha=decay)  # pyright: ignore[reportPrivateImportUsage]
+        torch._foreach_add_(params, update, alpha=-lr)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def _check_betas(name: str, value: Any) -> None:
