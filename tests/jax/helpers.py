@@ -1,13 +1,16 @@
-"""Helpers shared by the JAX tests: float64 mode, running updates, parameters after
-a few steps, balancing seeds, the table of every optimizer."""
+"""Helpers shared by the JAX tests: float64 mode, states compared apart from their
+counts of skipped steps, running updates, parameters after a few steps,
+balancing seeds, the table of every optimizer."""
 
 import contextlib
 import importlib
 
 import jax
+import numpy as np
 import optax
 
 import precond.jax as pj
+from precond.jax._skipped_steps import STATES_WITH_SKIP_COUNTS
 
 # The module, not the ``kron`` function that precond.jax re-exports under its name.
 kron_module = importlib.import_module("precond.jax.kron")
@@ -18,6 +21,31 @@ def float64():
     """Float64 arrays inside the block, float32 again after it."""
     with jax.enable_x64(True):
         yield
+
+
+def without_skip_counts(state):
+    """``state`` with the count of skipped steps of each of precond's states in
+    it (their ``skipped``) set to None: what a skipped step leaves unchanged."""
+
+    def without(node):
+        if isinstance(node, STATES_WITH_SKIP_COUNTS):
+            return node._replace(skipped=None)
+        return node
+
+    return jax.tree.map(
+        without, state, is_leaf=lambda x: isinstance(x, STATES_WITH_SKIP_COUNTS)
+    )
+
+
+def assert_skipped_once(new_state, state):
+    """``new_state`` is ``state`` after one skipped step: its count of skipped
+    steps is one higher, and every other leaf is equal."""
+    assert int(pj.skipped_steps(new_state)) == int(pj.skipped_steps(state)) + 1
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        without_skip_counts(new_state),
+        without_skip_counts(state),
+    )
 
 
 def run_updates(optimizer, params, grads_per_step):

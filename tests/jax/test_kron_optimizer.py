@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import precond.jax as pj
+from tests.jax.helpers import assert_skipped_once
 
 
 def _spd(rng, d, condition):
@@ -288,7 +289,7 @@ def test_non_finite_gradient_skips_the_step(b1):
         updates, new_state = update(bad_grads, state)
         for leaf in jax.tree.leaves(updates):
             np.testing.assert_array_equal(leaf, 0.0, err_msg=str(bad))
-        jax.tree.map(np.testing.assert_array_equal, new_state, state)
+        assert_skipped_once(new_state, state)
         _, after = update(jax.tree.map(jnp.ones_like, params), new_state)
         assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(after))
         assert int(after.count) == 2, bad

@@ -113,6 +113,7 @@ OPTIMIZERS: dict[str, Row] = {
 # one (lra is low_rank_approximation); scale_by_* are the aliases' cores.
 NOT_ALIASES = {
     "lra",
+    "skipped_steps",
     "hessian_helper",
     "precond_update_prob_schedule",
     "pro_adamw_hidden_matrices",
@@ -404,7 +405,9 @@ _SHAMPOO_COMPLEX = (
 _DIVERGES = (
     "float32 Rosenbrock at the default learning rate (1e-2): the iterates "
     "leave the valley after converging (steps 2000-9500), and then every "
-    "gradient is above the step guard's limit (1.8e19): every step is skipped"
+    "gradient is above the step guard's limit (1.8e19): every step is skipped "
+    "and the parameters stop, loudly: the first skipped step logs a WARNING on "
+    "the `precond.jax` logger, and `precond.jax.skipped_steps(state)` counts them"
 )
 _PSGD_JAX_DIVERGES = (
     "psgd-jax 0.1.5 does the same with the same defaults (the seed contract): "

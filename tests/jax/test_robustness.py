@@ -4,7 +4,8 @@ Affine, Shampoo in each grafting type, with and without quantised statistics).
 
 The step guard of every optimizer (``precond.jax._guards``): a step whose
 gradient has a NaN or ±Inf entry, or a squared norm that overflows (entries from
-about 1.8e19 in float32), is *skipped*: zero update, state unchanged. So:
+about 1.8e19 in float32), is *skipped*: zero update, state unchanged but for its
+count of skipped steps (tests/jax/test_skipped_steps.py). So:
 
 * after every step, bad or not, the state is finite;
 * a run of 50 normal steps with one bad step among them ends where the run
@@ -32,6 +33,7 @@ from hypothesis import strategies as st
 
 import precond.jax as pj
 from tests.jax.helpers import EVERY_OPTIMIZER as OPTIMIZERS
+from tests.jax.helpers import assert_skipped_once
 
 NAMES = list(OPTIMIZERS)
 
@@ -139,7 +141,7 @@ def test_mixed_magnitudes_in_one_tensor_are_refused_as_one_bad_step():
         updates, new_state = jax.jit(optimizer.update)(grads, state, params)
         for leaf in jax.tree.leaves(updates):
             np.testing.assert_array_equal(leaf, 0.0, err_msg=name)
-        jax.tree.map(np.testing.assert_array_equal, new_state, state)
+        assert_skipped_once(new_state, state)
 
 
 # With weight decay λ: the PSGD optimizers' decay is an optax step after their
@@ -171,7 +173,8 @@ DECAYING = {
 @pytest.mark.parametrize("name", list(DECAYING))
 def test_a_skipped_step_applies_only_the_weight_decay_where_it_follows(name):
     """A NaN gradient with weight decay 0.1: the update is −lr·λ·θ for the
-    PSGD optimizers and zero for Shampoo; the state is unchanged either way."""
+    PSGD optimizers and zero for Shampoo; the state is unchanged either way
+    (but for its count of skipped steps)."""
     make, decays = DECAYING[name]
     optimizer = make()
     params = {"w": TARGET["w"], "b": TARGET["b"]}
@@ -181,7 +184,7 @@ def test_a_skipped_step_applies_only_the_weight_decay_where_it_follows(name):
     for key in params:
         want = -LEARNING_RATE * 0.1 * params[key] if decays else 0.0
         np.testing.assert_allclose(updates[key], want, rtol=1e-6, err_msg=key)
-    jax.tree.map(np.testing.assert_array_equal, new_state, state)
+    assert_skipped_once(new_state, state)
 
 
 @functools.cache

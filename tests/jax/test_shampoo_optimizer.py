@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import precond.jax as pj
 from precond.jax import shampoo
-from tests.jax.helpers import float64
+from tests.jax.helpers import assert_skipped_once, float64, without_skip_counts
 from tests.jax.test_optax_contract import (
     NOISY_STEPS,
     _adam_noisy_loss,
@@ -238,7 +238,8 @@ def test_update_and_state_dtypes_are_stable(config, dtype):
 
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
 def test_non_finite_gradient_skips_the_step(bad):
-    """Zero update and the whole state unchanged (count included)."""
+    """Zero update and the whole state unchanged (count included), but for its
+    count of skipped steps."""
     optimizer = pj.distributed_shampoo(0.01, 4, start_preconditioning_step=0)
     update = jax.jit(optimizer.update)
     _, state = update(_gradients(PARAMS, 0), optimizer.init(PARAMS), PARAMS)
@@ -247,7 +248,7 @@ def test_non_finite_gradient_skips_the_step(bad):
     updates, new_state = update(grads, state, PARAMS)
     for leaf in jax.tree.leaves(updates):
         np.testing.assert_array_equal(leaf, 0.0)
-    jax.tree.map(np.testing.assert_array_equal, new_state, state)
+    assert_skipped_once(new_state, state)
 
 
 # --------------------------------------------------------------- distribution
@@ -605,8 +606,9 @@ def _bad_gradient(value):
 
 def _bad_step_run(optimizer):
     """A jitted run(bad_at, mask, values) -> (final loss, (loss before each step,
-    state and updates finite after each step, step skipped), training metrics);
-    ``bad_at = -1`` gives the clean run."""
+    state and updates finite after each step, step skipped: zero update, the
+    state unchanged but for its count of skipped steps, one higher), training
+    metrics); ``bad_at = -1`` gives the clean run."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
     y = x @ jnp.asarray(rng.normal(size=(8, 6)), jnp.float32)
@@ -635,12 +637,16 @@ def _bad_step_run(optimizer):
             unchanged = all_true(
                 [
                     jnp.array_equal(a, b, equal_nan=True)
-                    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(state))
+                    for a, b in zip(
+                        jax.tree.leaves(without_skip_counts(new)),
+                        jax.tree.leaves(without_skip_counts(state)),
+                    )
                 ]
             )
+            counted = new.skipped == state.skipped + 1
             zero = all_true([jnp.all(u == 0) for u in jax.tree.leaves(updates)])
             p = optax.apply_updates(p, updates)
-            return (p, new), (value, finite, unchanged & zero)
+            return (p, new), (value, finite, unchanged & counted & zero)
 
         carry = (params, optimizer.init(params))
         (p, state), trace = jax.lax.scan(step, carry, jnp.arange(BAD_RUN_STEPS))

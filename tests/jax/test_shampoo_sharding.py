@@ -28,7 +28,7 @@ SPECS = {"w": P("x"), "b": P(), "t": P("x", None, None), "e": P(None, "x")}
 BLOCK = 16
 STACKS = P("x", None, None)
 # Small per-leaf state that replicates by design.
-REPLICATED = ("count", "training_metrics", "scales", "['b']")
+REPLICATED = ("count", "skipped", "training_metrics", "scales", "['b']")
 SHARDED = dict(
     shard_optimizer_states=True,
     statistics_partition_spec=STACKS,

@@ -9,8 +9,9 @@ and ``pro_opt_state_partition_specs``; ``pro_adamw`` (pro on the hidden
 weight matrices, AdamW on the rest: the recipe measured best) with its split
 ``pro_adamw_hidden_matrices``; ``distributed_shampoo`` (Google's
 Distributed Shampoo, with its state helpers and the matrix functions
-``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``).
-Kernels of one tensor live in ``precond.jax._kron_math``.
+``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``);
+``skipped_steps``, the count of steps skipped for unusable gradients in any of
+their states. Kernels of one tensor live in ``precond.jax._kron_math``.
 """
 
 from precond.jax._psgd_transform import PSGDState
@@ -20,6 +21,7 @@ from precond.jax._shampoo_math import (
     matrix_inverse_pth_root_eigh,
     power_iteration,
 )
+from precond.jax._skipped_steps import skipped_steps
 from precond.jax.affine import AFFINE_STATIC_ARGS, affine, scale_by_affine
 from precond.jax.hessian import hessian_helper
 from precond.jax.kron import (
@@ -115,5 +117,6 @@ __all__ = [
     "scale_by_xmat",
     "seed_parameter_stats",
     "shampoo_state_from_seed",
+    "skipped_steps",
     "xmat",
 ]

@@ -21,6 +21,7 @@ from precond.jax._guards import check_parameter_dtypes
 from precond.jax._kron_config import KronConfig, TreePlan, plan_tree
 from precond.jax._kron_layout import StackPlan
 from precond.jax._kron_sharding import ShardingPlan
+from precond.jax._step_policy import saturating_increment
 
 __all__ = [
     "KronState",
@@ -37,7 +38,10 @@ __all__ = [
 
 
 class KronState(NamedTuple):
-    """State of :func:`scale_by_kron`: arrays only, so any checkpointer saves it."""
+    """State of :func:`scale_by_kron`: arrays only, so any checkpointer saves it.
+
+    ``skipped`` counts the steps skipped for unusable gradients (see
+    :func:`precond.jax.skipped_steps`)."""
 
     count: jax.Array  # shape=(), dtype=int32: steps taken (skipped steps not counted)
     mu: optax.Updates | None  # like params, dtype=mu_dtype; None when b1 == 0
@@ -49,14 +53,10 @@ class KronState(NamedTuple):
     # (units, 2, b, b);
     # dtype precond_dtype, its complex counterpart in stacks of complex parameters
     update_counter: jax.Array  # shape=(), dtype=int32: steps since the last update
+    skipped: jax.Array  # shape=(), dtype=int32: steps skipped (unusable gradients)
     # Generation-2 styles only (None for 'EQ'): per stack, per axis, the (units,)
     # float32 Lipschitz estimates L_i of the factor updates.
     lipschitz: tuple | jax.Array | None = None
-
-
-def saturating_increment(count: jax.Array) -> jax.Array:
-    """count + 1, saturating at the int32 maximum."""
-    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
 
 
 # ------------------------------------------------------------------ factor storage
@@ -133,6 +133,7 @@ def _leafless_state(config: KronConfig, params: Any) -> KronState:
         mu=jax.tree.map(lambda x: x, params) if config.keep_momentum else None,
         preconditioners=jnp.zeros((0,), config.precond_dtype),
         update_counter=jnp.zeros([], jnp.int32),
+        skipped=jnp.zeros([], jnp.int32),
         lipschitz=jnp.zeros((0,), jnp.float32) if config.generation_2 else None,
     )
 
@@ -162,6 +163,7 @@ def partition_specs(
         mu=treedef.unflatten(param_specs) if keep_momentum else None,
         preconditioners=jax.tree.map(lambda _: sharding.stack_spec, factors),
         update_counter=PartitionSpec(),  # pyright: ignore[reportArgumentType]
+        skipped=PartitionSpec(),  # pyright: ignore[reportArgumentType]
         lipschitz=(
             jax.tree.map(lambda _: sharding.stack_spec, factors) if lipschitz else None
         ),
@@ -235,9 +237,9 @@ def _initial_state(config: KronConfig, tree: TreePlan, params: Any) -> KronState
     mu = _initial_momentum(config, tree, params)
     # Counters replicated like the update's outputs, so the first update
     # compiles for the same input shardings as every later one.
-    # (Two arrays, not one: a donated state must not alias a buffer.)
-    count, update_counter = (
-        sharding.constrain(jnp.zeros([], jnp.int32), PartitionSpec()) for _ in range(2)
+    # (Three arrays, not one: a donated state must not alias a buffer.)
+    count, update_counter, skipped = (
+        sharding.constrain(jnp.zeros([], jnp.int32), PartitionSpec()) for _ in range(3)
     )
     lipschitz = _initial_lipschitz(config, tree)
     return KronState(
@@ -245,6 +247,7 @@ def _initial_state(config: KronConfig, tree: TreePlan, params: Any) -> KronState
         mu=mu,
         preconditioners=tuple(_init_stack(config, s, sharding) for s in tree.stacks),
         update_counter=update_counter,
+        skipped=skipped,
         lipschitz=lipschitz,
     )
 

@@ -44,6 +44,7 @@ from precond.jax._kron_state import (
     working,
 )
 from precond.jax._precision import matmul_precision
+from precond.jax._step_policy import SkipWarning, skip_counted
 from precond.jax.hessian import newton_arguments
 
 __all__ = ["fit_key", "update"]
@@ -521,8 +522,16 @@ def _updates(config: KronConfig, step: _Step, U_stacks, grads, finite) -> list:
     ]
 
 
-def _step(config: KronConfig, tree: TreePlan, updates, state: KronState, newton):
-    """One step on a tree that has entries (see ``scale_by_kron``)."""
+def _step(
+    config: KronConfig,
+    tree: TreePlan,
+    updates,
+    state: KronState,
+    newton,
+    warning: SkipWarning,
+):
+    """One step on a tree that has entries (see ``scale_by_kron``); a skipped
+    step is counted and reported by ``warning``."""
     sharding = tree.sharding
     grads = sharding.constrain_params(jax.tree.leaves(updates))
     step = _Step(tree, leads(tree.plans, grads))
@@ -551,13 +560,23 @@ def _step(config: KronConfig, tree: TreePlan, updates, state: KronState, newton)
         mu=None if mus is None else tree.treedef.unflatten(mus),
         preconditioners=all_factors,
         update_counter=update_counter,
+        skipped=state.skipped,
         lipschitz=lipschitz,
     )
-    return tree.treedef.unflatten(sharding.constrain_params(new_updates)), new_state
+    new_updates = tree.treedef.unflatten(sharding.constrain_params(new_updates))
+    return new_updates, skip_counted(finite, new_state, warning)
 
 
-def update(config: KronConfig, updates, state: KronState, params=None, **extra_args):
-    """``scale_by_kron``'s update: (preconditioned updates, new state).
+def update(
+    config: KronConfig,
+    warning: SkipWarning,
+    updates,
+    state: KronState,
+    params=None,
+    **extra_args,
+):
+    """``scale_by_kron``'s update: (preconditioned updates, new state); the
+    first skipped step is logged by ``warning``, the optimizer's own.
 
     ``extra_args`` may hold Newton mode's ``Hvp``, ``vector`` and
     ``update_preconditioner`` (all three); anything else is ignored.
@@ -572,7 +591,7 @@ def update(config: KronConfig, updates, state: KronState, params=None, **extra_a
     del params
 
     def body(updates, state, newton):
-        return _step(config, tree, updates, state, newton)
+        return _step(config, tree, updates, state, newton, warning)
 
     treedef = tree.treedef
     param_specs = tree.sharding.param_specs or [PartitionSpec()] * treedef.num_leaves

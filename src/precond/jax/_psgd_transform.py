@@ -17,9 +17,10 @@ all of them:
 
 Counting and skipping follow the JAX step policy (:mod:`._step_policy`): a step
 whose gradient (or Hvp) is unusable (a NaN or ±Inf entry, or a squared norm that
-overflows) returns zeros and leaves the state unchanged, count included; a fit
-that still overflows keeps the old factors. The random draws are psgd-jax's,
-from a key carried in the state (the policy's seed-compatible exception).
+overflows) returns zeros and leaves the state unchanged, count included, but
+for its count of skipped steps; a fit that still overflows keeps the old
+factors. The random draws are psgd-jax's, from a key carried in the state (the
+policy's seed-compatible exception).
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ from precond.jax._psgd_placement import (
     unpadded_factors,
 )
 from precond.jax._step_policy import (
+    SkipWarning,
     fields_unless_skipped,
     keep_if_overflowed,
     next_count,
+    skip_counted,
     step_is_usable,
     zeros_unless_usable,
 )
@@ -91,6 +94,7 @@ class PSGDState(NamedTuple):
     mu: optax.Updates | None  # like params; None when b1 == 0
     preconditioner: Any  # the optimizer's factors of Q (a NamedTuple of arrays)
     updates: jax.Array  # shape=(), int32: preconditioner fits so far
+    skipped: jax.Array  # shape=(), int32: steps skipped (unusable gradients)
 
 
 class Preconditioner(NamedTuple):
@@ -111,6 +115,7 @@ class Preconditioner(NamedTuple):
     draws_vector: in whitening mode the transform draws v ~ N(0, I) like the
         gradients (``optax.tree.random_like``) before deciding to fit.
     fit_uses_key: each fit splits a subkey off the state's key.
+    name: the optimizer's name in ``precond.jax`` (its skipped-step warning's).
     """
 
     init: Callable[[Any, float, jax.Array], tuple[Any, jax.Array]]
@@ -118,6 +123,7 @@ class Preconditioner(NamedTuple):
     apply: Callable[[Any, Any], Any]
     draws_vector: bool = True
     fit_uses_key: bool = False
+    name: str = "psgd"
 
 
 def flat_size_and_dtype(params: Any) -> tuple[int, jnp.dtype]:
@@ -159,7 +165,7 @@ def flattened_preconditioner(
     automatic scaling (:func:`first_fit_scale`), else x;
     ``precondition_vector(*factors, g) -> P·g``. The fit and P·g run under
     ``precision`` and the named scopes precond/<name>/update and
-    precond/<name>/precondition.
+    precond/<name>/precondition; ``name`` is the preconditioner's.
     """
 
     def init(params, scale, key):
@@ -192,7 +198,7 @@ def flattened_preconditioner(
             return unravel(precondition_vector(*factors, g))
 
     return auto_axes_preconditioner(
-        init, fit_flat, apply_flat, fit_uses_key=fit_uses_key
+        init, fit_flat, apply_flat, fit_uses_key=fit_uses_key, name=name
     )
 
 
@@ -203,11 +209,12 @@ def auto_axes_preconditioner(
     *,
     draws_vector: bool = True,
     fit_uses_key: bool = False,
+    name: str = "psgd",
 ) -> Preconditioner:
-    """A :class:`Preconditioner` from its work on whole trees, each run under
-    :func:`with_auto_axes`: ``fit_all(factors, h, v, lr, first, key, newton)``
-    (new factors placed like the old) and ``apply_all(factors, m)`` (P·m placed
-    like m)."""
+    """A :class:`Preconditioner` (named ``name``) from its work on whole trees,
+    each run under :func:`with_auto_axes`: ``fit_all(factors, h, v, lr, first,
+    key, newton)`` (new factors placed like the old) and ``apply_all(factors,
+    m)`` (P·m placed like m)."""
 
     def fit(factors, h, v, lr, first, key, newton):
         fit_newton = functools.partial(fit_all, newton=newton)
@@ -216,7 +223,7 @@ def auto_axes_preconditioner(
     def apply(factors, m):
         return with_auto_axes(apply_all, m, factors, m)
 
-    return Preconditioner(init, fit, apply, draws_vector, fit_uses_key)
+    return Preconditioner(init, fit, apply, draws_vector, fit_uses_key, name)
 
 
 def with_auto_axes(body: Callable, out_like: Any, *args) -> Any:
@@ -363,6 +370,7 @@ def init_psgd_state(
         mu=mu,
         preconditioner=factors,
         updates=jnp.zeros([], jnp.int32),
+        skipped=jnp.zeros([], jnp.int32),
     )
 
 
@@ -464,15 +472,17 @@ def momentum_estimate(
     return jax.tree.map(lambda m, old: m.astype(old.dtype), moment, mu), m_hat
 
 
-def _guarded_output(usable, U, updates, new_state: PSGDState, state, plan):
+def _guarded_output(usable, U, updates, new_state: PSGDState, state, plan, warning):
     """(U, new state) placed on the mesh, or zeros and ``state`` where the step
-    is not ``usable``. The factors are taken as they are: they were fitted only
-    on a usable step (``fit_now``), and a select over them would copy every
-    factor on every step."""
+    is not ``usable`` (counted in its ``skipped``, and reported by ``warning``).
+    The factors are taken as they are: they were fitted only on a usable step
+    (``fit_now``), and a select over them would copy every factor on every
+    step."""
     U = placed_like_params(zeros_unless_usable(usable, U, updates), plan)
     new_state = placed_state(new_state, plan)
     kept = ("preconditioner",)
-    return U, fields_unless_skipped(usable, new_state, state, already_kept=kept)
+    guarded = fields_unless_skipped(usable, new_state, state, already_kept=kept)
+    return U, skip_counted(usable, guarded, warning)
 
 
 def clip_to_global_norm(U: Any, max_norm: float | None) -> Any:
@@ -508,6 +518,7 @@ def scale_by_psgd(
     keep_momentum = not (is_concrete_number(b1) and b1 == 0)
     auto_scale = precond_init_scale is None
     placement = {name: arguments[name] for name in PLACEMENT_ARGUMENTS}
+    warning = SkipWarning(preconditioner.name)
 
     def init_fn(params):
         state = init_psgd_state(
@@ -552,8 +563,9 @@ def scale_by_psgd(
             mu=mu,
             preconditioner=factors,
             updates=state.updates + (fit_now & fitted).astype(jnp.int32),
+            skipped=state.skipped,
         )
-        return _guarded_output(usable, U, updates, new_state, state, plan)
+        return _guarded_output(usable, U, updates, new_state, state, plan, warning)
 
     # optax's OptState (chex.ArrayTree) admits neither a None leaf (PSGDState.mu
     # without momentum) nor a state type narrower than any ArrayTree.

@@ -239,6 +239,7 @@ def state_from_seed(seed_state, params, config: Config) -> ShampooState:
             if config.generate_training_metrics
             else optax.MaskedNode()
         ),
+        skipped=template.skipped,  # the seed counts no skipped steps
     )
 
 

@@ -61,6 +61,7 @@ class ShampooState(NamedTuple):
     preconditioners: tuple  # per (n, p) stack: (K, n, n) inverse p-th roots
     # optax.MaskedNode() without generate_training_metrics
     training_metrics: TrainingMetrics | optax.MaskedNode
+    skipped: jax.Array  # [] int32: steps skipped (unusable gradients)
 
 
 def root_errors(metrics: TrainingMetrics | optax.MaskedNode) -> Any:
@@ -204,6 +205,7 @@ def _params_placeholder_state(placeholder, config: Config) -> ShampooState:
         statistics=_NotParams(),  # pyright: ignore[reportArgumentType]
         preconditioners=_NotParams(),  # pyright: ignore[reportArgumentType]
         training_metrics=_NotParams(),  # pyright: ignore[reportArgumentType]
+        skipped=_NotParams(),  # pyright: ignore[reportArgumentType]
     )
 
 
@@ -254,6 +256,7 @@ def init_state(params, config: Config, *, constrain: bool = True) -> ShampooStat
             if config.generate_training_metrics
             else optax.MaskedNode()
         ),
+        skipped=jnp.zeros([], jnp.int32),
     )
 
 
@@ -327,6 +330,7 @@ def state_partition_specs(
             if config.generate_training_metrics
             else optax.MaskedNode()
         ),
+        skipped=PartitionSpec(),  # pyright: ignore[reportArgumentType]
     )
 
 

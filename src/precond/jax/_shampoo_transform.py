@@ -48,8 +48,10 @@ from precond.jax._shampoo_state import (
     store_momentum,
 )
 from precond.jax._step_policy import (
+    SkipWarning,
     fields_unless_skipped,
     next_count,
+    skip_counted,
     state_unless_skipped,
 )
 
@@ -370,9 +372,12 @@ def _decayed_weights(params, grads, treedef, config: Config) -> list:
     return treedef.flatten_up_to(params)
 
 
-def shampoo_update(updates, state: ShampooState, params, config: Config):
+def shampoo_update(
+    updates, state: ShampooState, params, config: Config, warning: SkipWarning
+):
     """(updates, new state) of one step; see ``distributed_shampoo``. A step
-    whose gradients are unusable returns zeros and the state unchanged."""
+    whose gradients are unusable returns zeros and the state unchanged, but for
+    its count of skipped steps (the first reported by ``warning``)."""
     grads, treedef = jax.tree.flatten(updates)
     layout = plan_layout([g.shape for g in grads], config)
     weights = _decayed_weights(params, grads, treedef, config)
@@ -433,9 +438,11 @@ def shampoo_update(updates, state: ShampooState, params, config: Config):
         statistics=statistics,
         preconditioners=preconditioners,
         training_metrics=metrics,
+        skipped=state.skipped,
     )
     outputs = jax.tree.map(lambda u: jnp.where(usable, u, jnp.zeros_like(u)), outputs)
-    return outputs, _as_before_unless(usable, new_state, state)
+    guarded = _as_before_unless(usable, new_state, state)
+    return outputs, skip_counted(usable, guarded, warning)
 
 
 def _as_before_unless(usable, new_state: ShampooState, state: ShampooState):

@@ -337,7 +337,7 @@ def affine_preconditioner(
         _apply_all, precision=precision, permute_axes=permute_axes
     )
     return auto_axes_preconditioner(
-        init, fit_all, apply_all, draws_vector=False, fit_uses_key=True
+        init, fit_all, apply_all, draws_vector=False, fit_uses_key=True, name="affine"
     )
 
 
@@ -582,7 +582,7 @@ def scale_by_affine(
     after the fit, with probability 0.01 the factors are balanced; (2)
     m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ));
     (3) U = P·m̂, clipped to global norm ``update_global_norm_clip``. A NaN/Inf
-    gradient gives a zero update and leaves the state unchanged.
+    gradient: zero update, the state unchanged but for its count ``skipped``.
 
     The state is a :class:`~precond.jax.PSGDState` whose ``preconditioner`` is an
     :class:`AffineFactors` of two trees like the parameters (the Q_l's, the Q_r's).

@@ -159,6 +159,7 @@ from precond.jax._kron_state import (
     stored,
 )
 from precond.jax._kron_step import update
+from precond.jax._step_policy import SkipWarning
 
 __all__ = [
     "KRON_STATIC_ARGS",
@@ -232,7 +233,8 @@ def scale_by_kron(
 
     Complex parameters: P = ⊗_i Q_iᴴQ_i (Hermitian); see :func:`kron`. Bad steps:
     a gradient (or Hvp) with a non-finite squared norm (NaN, ±Inf, or entries
-    from about 1.8e19) skips the step: a zero update, the state unchanged.
+    from about 1.8e19) skips the step: a zero update, the state unchanged but
+    for its count of skipped steps (:func:`precond.jax.skipped_steps`).
     Arguments: this module's docstring (``precond.jax.kron``).
 
     Returns:
@@ -248,7 +250,7 @@ def scale_by_kron(
     # optax's OptState admits no None leaf (mu) nor a narrower state type.
     core = optax.GradientTransformationExtraArgs(
         partial(init, config),  # pyright: ignore[reportArgumentType]
-        partial(update, config),  # pyright: ignore[reportArgumentType]
+        partial(update, config, SkipWarning("kron")),  # pyright: ignore[reportArgumentType]
     )
     return accepting_scalars(core)
 

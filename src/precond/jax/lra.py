@@ -311,8 +311,8 @@ def scale_by_lra(
     is first scaled by (Σv²/Σh²)^{1/4} (whitening: (n/Σh²)^{1/4}); (2) m ←
     β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ));
     (3) U = P·m̂ = d⊙(I + VUᵀ)(I + UVᵀ)(d⊙m̂), clipped to global norm
-    ``update_global_norm_clip``. A NaN/Inf gradient gives a zero update and leaves
-    the state unchanged. Memory: n(2r + 1) for Q, + n momentum.
+    ``update_global_norm_clip``. A NaN/Inf gradient: zero update, the state
+    unchanged but for its count ``skipped``. Memory: n(2r + 1) for Q, + n momentum.
 
     The state is a :class:`~precond.jax.PSGDState` whose ``preconditioner`` is
     :class:`LRAFactors`.

@@ -74,9 +74,11 @@ from precond.jax._kron_arguments import (
 from precond.jax._kron_sharding import is_box, partition_specs_only
 from precond.jax._psgd_transform import arguments_for, with_auto_axes
 from precond.jax._step_policy import (
+    SkipWarning,
     fields_unless_skipped,
     keep_if_overflowed,
     next_count,
+    skip_counted,
     step_is_usable,
     step_key,
     zeros_unless_usable,
@@ -102,6 +104,7 @@ class ProState(NamedTuple):
     factors: tuple | jax.Array
     lipschitz: tuple | jax.Array
     update_counter: jax.Array  # [] int32: steps since the factors were fitted
+    skipped: jax.Array  # [] int32: steps skipped (unusable gradients)
 
 
 # ------------------------------------------------------------------ the fit
@@ -262,6 +265,7 @@ class _Recipe(NamedTuple):
     max_size_dense: int
     block_size: int
     pipeline_axis_size: int
+    skip_warning: SkipWarning  # this optimizer's, logged at its first skipped step
 
 
 def _recipe(arguments: dict[str, Any]) -> _Recipe:
@@ -289,6 +293,7 @@ def _recipe(arguments: dict[str, Any]) -> _Recipe:
         max_size_dense=arguments["max_size_dense"],
         block_size=arguments["block_size"],
         pipeline_axis_size=arguments["pipeline_axis_size"],
+        skip_warning=SkipWarning("pro"),
     )
 
 
@@ -328,6 +333,7 @@ def _placeholder_state(params, keep_momentum: bool) -> ProState:
         factors=empty,
         lipschitz=empty,
         update_counter=empty,
+        skipped=empty,
     )
 
 
@@ -466,7 +472,7 @@ def _clipped_updates(grads, plan: _Plan, pieces, recipe: _Recipe) -> list:
 def _step(grads, state: ProState, plan: _Plan, treedef, recipe: _Recipe):
     """The update of the unboxed gradient leaves: (updates, new state). A step
     with unusable gradients (the JAX step policy) returns zeros and keeps the
-    state."""
+    state, but for its count of skipped steps."""
     usable = step_is_usable(grads)
     count = next_count(state.count)
     mu = None if state.mu is None else treedef.flatten_up_to(state.mu)
@@ -487,12 +493,16 @@ def _step(grads, state: ProState, plan: _Plan, treedef, recipe: _Recipe):
         factors=factors,
         lipschitz=lipschitz,
         update_counter=update_counter,
+        skipped=state.skipped,
     )
     updates = _clipped_updates(grads, plan, pieces, recipe)
     # The factors kept their old values in their own update (_fit_all_stacks):
     # a select over them would copy every factor on every step.
-    return zeros_unless_usable(usable, updates, grads), fields_unless_skipped(
+    guarded = fields_unless_skipped(
         usable, new_state, state, already_kept=("factors", "lipschitz")
+    )
+    return zeros_unless_usable(usable, updates, grads), skip_counted(
+        usable, guarded, recipe.skip_warning
     )
 
 
@@ -551,6 +561,7 @@ def _init(params, *, recipe: _Recipe) -> ProState:
         factors=factors,
         lipschitz=lipschitz,
         update_counter=jnp.zeros([], jnp.int32),
+        skipped=jnp.zeros([], jnp.int32),
     )
 
 
@@ -703,7 +714,7 @@ def pro_opt_state_partition_specs(params, **pro_kwargs):
     """PartitionSpecs of ``pro(**pro_kwargs).init(params)``'s state, for
     ``jax.jit(..., out_shardings=...)``: the momentum follows
     ``params_partition_specs`` (replicated without them), factor stacks are split
-    along ``pipeline_axis_name`` (replicated without it), the count replicated.
+    along ``pipeline_axis_name`` (replicated without it), the counters replicated.
     As distributed-kron 2.0's ``get_opt_state_partition_specs`` (a tuple of the
     chain's states; None for the stateless decay and learning rate).
 
@@ -740,6 +751,7 @@ def pro_opt_state_partition_specs(params, **pro_kwargs):
         factors=jax.tree.map(stack_spec, shapes.factors),
         lipschitz=jax.tree.map(stack_spec, shapes.lipschitz),
         update_counter=PartitionSpec(),  # pyright: ignore[reportArgumentType]
+        skipped=PartitionSpec(),  # pyright: ignore[reportArgumentType]
     )
     weight_decay = pro_kwargs.get("weight_decay", 0.1)
     if is_concrete_number(weight_decay) and weight_decay <= 0:

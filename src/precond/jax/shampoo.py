@@ -41,7 +41,9 @@ Bad steps are skipped: when some gradient leaf has a squared norm ‖G‖² that
 is not finite in float32 (float64 for float64 leaves) -- NaN or ±Inf entries,
 or finite ones from about 1.8e19, whose squares would overflow the
 statistics -- the step returns zero updates and leaves the whole state
-unchanged (count included), as the PSGD optimizers do.
+unchanged (count included), as the PSGD optimizers do, but for its count of
+skipped steps, ``state.skipped`` (:func:`precond.jax.skipped_steps`; the first
+skipped step is logged at WARNING).
 
 Parameters must be real floating-point arrays (complex and integer ones are
 refused at ``init``); scalars, empty tensors and tensors with a dim above
@@ -201,6 +203,7 @@ from precond.jax._shampoo_state import (
     state_partition_specs,
 )
 from precond.jax._shampoo_transform import shampoo_update
+from precond.jax._step_policy import SkipWarning
 
 __all__ = [
     "SCALE_BY_SHAMPOO_STATIC_ARGS",
@@ -377,18 +380,19 @@ def distributed_shampoo(
 
 def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
     """init and update of the transform for ``config``."""
+    warning = SkipWarning("distributed_shampoo")
 
     def update(updates, state, params=None, **extra_args):
         del extra_args  # optax's GradientTransformationExtraArgs contract
         if not sharded_in_types(updates):
-            outputs, state = shampoo_update(updates, state, params, config)
+            outputs, state = shampoo_update(updates, state, params, config, warning)
             # The buffers (and the updates) stay where the params are.
             return placed_state(state, updates, config, outputs)
         # Gradients split over a mesh with Explicit axes (shardings in their
         # types): the step runs under auto_axes, which its reshapes and grams
         # need, and its outputs are sharded as its inputs.
         return with_auto_axes(
-            lambda u, s, p: shampoo_update(u, s, p, config),
+            lambda u, s, p: shampoo_update(u, s, p, config, warning),
             (updates, state),
             updates,
             state,

@@ -139,7 +139,7 @@ def scale_by_xmat(
     scaled by (Σv²/Σh²)^{1/4} (whitening: (n/Σh²)^{1/4}); (2) m ← β₁m +
     (1−β₁)g, m̂ = m/(1−β₁ⁿ) (Nesterov: β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ));
     (3) U = P·m̂, clipped to global norm ``update_global_norm_clip``. A NaN/Inf
-    gradient gives a zero update and leaves the state unchanged.
+    gradient: zero update, the state unchanged but for its count ``skipped``.
 
     The state is a :class:`~precond.jax.PSGDState` whose ``preconditioner`` is
     :class:`XMatFactors`.
