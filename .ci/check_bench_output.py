@@ -14,7 +14,8 @@ Usage::
   venv without torch must not produce torch runs);
 - ``report.md`` exists and names every workload, and for every framework ×
   workload has a line naming the optimizers fastest to AdamW's final validation
-  loss in time and in steps, or saying none reached it;
+  loss in time and in steps, or saying none reached it, and a verdict line
+  saying whether precond wins (after the decisive metric named);
 - every plot that ``report.md`` links (``![...](name.png)``) exists and is a valid
   PNG: signature, IHDR first with a non-zero size, IEND last, every chunk's CRC
   right, and more than a trivial number of bytes; at least one plot is linked.
@@ -39,8 +40,8 @@ import zlib
 from pathlib import Path
 
 # The JAX workloads and the optimizers a bare `precond bench` runs in JAX.
-WORKLOADS = ("digits-mlp", "digits-cnn", "char-lm")
-OPTIMIZERS = ("kron", "pro", "shampoo", "adamw", "muon", "sgd")
+WORKLOADS = ("teacher-student", "char-lm")
+OPTIMIZERS = ("kron", "pro-adamw", "shampoo", "adamw", "muon")
 FRAMEWORKS = ("jax",)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -52,6 +53,15 @@ FASTEST_LINE = re.compile(
     r"^- (?P<workload>\S+) \((?P<framework>\w+)\): to adamw's final validation "
     r"loss \S+, (?:fastest in time (?P<by_time>\S+) \(.*\); fewest steps "
     r"(?P<by_steps>\S+) \(.*\)|none reached it)\.$",
+    flags=re.M,
+)
+
+
+# "- char-lm (jax): precond wins: pro-adamw 5.1 s, muon 6.4 s (0.80×)." and the
+# other plain outcomes of report.py's verdict_line.
+VERDICT_LINE = re.compile(
+    r"^- (?P<workload>\S+) \((?P<framework>\w+)\): (?:precond wins|precond does "
+    r"not win|no optimizer reached)",
     flags=re.M,
 )
 
@@ -159,6 +169,20 @@ def check_fastest(path: Path, text: str, frameworks, workloads, optimizers):
     return problems
 
 
+def check_verdict(path: Path, text: str, frameworks, workloads) -> list[str]:
+    """Problems with report.md's verdict: the decisive metric named, and one
+    line per workload saying whether precond wins."""
+    problems = []
+    if "Decisive metric: " not in text:
+        problems.append(f"{path}: names no decisive metric")
+    found = {(m["framework"], m["workload"]) for m in VERDICT_LINE.finditer(text)}
+    for framework in frameworks:
+        for workload in workloads:
+            if (framework, workload) not in found:
+                problems.append(f"{path}: no verdict line for {workload} ({framework})")
+    return problems
+
+
 def check_report(
     folder: Path, workloads, frameworks=FRAMEWORKS, optimizers=OPTIMIZERS
 ) -> tuple[list[str], int]:
@@ -171,6 +195,7 @@ def check_report(
     problems = [f"{path}: does not name {w!r}" for w in workloads if w not in text]
     if "adamw" in optimizers:
         problems += check_fastest(path, text, frameworks, workloads, optimizers)
+        problems += check_verdict(path, text, frameworks, workloads)
     plots = list(dict.fromkeys(PLOT_LINK.findall(text)))
     if not plots:
         problems.append(f"{path}: links no PNG plot")

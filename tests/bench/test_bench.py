@@ -29,11 +29,16 @@ from precond.bench.data import BatchStream
 from precond.bench.machine import available_cores
 from precond.bench.optimizers import OPTIMIZERS
 from precond.bench.report import (
+    RESULTS_BEGIN,
+    RESULTS_END,
     format_fastest,
     format_markdown,
     format_table,
+    format_verdicts,
     format_winners,
     json_document,
+    replace_results_block,
+    results_table,
     run_from_json,
     write_json,
 )
@@ -101,6 +106,86 @@ def test_digits_split_is_deterministic_and_disjoint():
     assert first.y_train.dtype == np.int32
     # The MLP and the CNN train on the same split.
     assert WORKLOADS["digits-mlp"].load_split is WORKLOADS["digits-cnn"].load_split
+
+
+def test_teacher_student_rows_are_fresh_and_ill_conditioned():
+    """Every step of the default budget draws rows no earlier step drew; the
+    inputs' covariance has the condition number the description gives; the
+    targets are the teacher's, standardised; a linear fit leaves a nonlinear
+    part to learn."""
+    from precond.bench.data import (
+        TEACHER_CONDITION,
+        teacher_network,
+        teacher_targets,
+    )
+
+    workload = WORKLOADS["teacher-student"]
+    split = workload.load_split(workload.split_seed)
+    again = workload.load_split(workload.split_seed)
+    np.testing.assert_array_equal(split.x_test, again.x_test)
+    assert split.x_train.dtype == split.y_train.dtype == np.float32
+    assert workload.steps * workload.batch_size <= len(split.x_train)
+    order = batch_indices(len(split.x_train), workload.batch_size, workload.steps, 0)
+    assert len(np.unique(order)) == order.size  # one epoch: no row seen twice
+    assert not _rows(split.x_train) & _rows(split.x_test)
+
+    weights, root = teacher_network(workload.split_seed)
+    eigenvalues = np.linalg.eigvalsh(root @ root.T)
+    assert eigenvalues.max() / eigenvalues.min() == pytest.approx(TEACHER_CONDITION)
+    assert eigenvalues.sum() == pytest.approx(len(root))
+    raw = teacher_targets(weights, split.x_test.astype(np.float64))
+    correlation = [
+        np.corrcoef(raw[:, i], split.y_test[:, i])[0, 1] for i in range(raw.shape[1])
+    ]
+    np.testing.assert_allclose(correlation, 1.0, atol=1e-6)
+    np.testing.assert_allclose(split.y_train.std(axis=0), 1.0, atol=1e-4)
+    design = np.c_[split.x_train[:20000], np.ones(20000)]
+    fit = np.linalg.lstsq(design, split.y_train[:20000], rcond=None)[0]
+    residual = split.y_test - np.c_[split.x_test, np.ones(len(split.x_test))] @ fit
+    assert 0.05 < residual.var() < 0.5
+
+
+def test_regression_loss_is_the_mean_squared_error_in_both_frameworks():
+    """The JAX loss and metrics are the mean over rows and outputs of the squared
+    error (float64 NumPy oracle); torch's model and loss, given the JAX model's
+    weights, give the same loss; there is no accuracy."""
+    import jax
+
+    from precond.bench.jax_models import tanh_mlp
+
+    workload = WORKLOADS["teacher-student"]
+    split = workload.load_split(0)
+    params = workload.init_params(0)
+    x, y = split.x_test[:64], split.y_test[:64]
+    h = x.astype(np.float64)
+    for i, layer in enumerate(params):
+        h = h @ np.asarray(layer["w"], np.float64) + np.asarray(layer["b"])
+        h = np.tanh(h) if i < len(params) - 1 else h
+    expected = np.mean((h - y) ** 2)
+    assert tanh_mlp(params, x).shape == y.shape
+    np.testing.assert_allclose(float(workload.loss(params, x, y)), expected, rtol=1e-5)
+    metrics = jax.jit(workload.metrics)(params, x, y)
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+    assert np.isnan(float(metrics["accuracy"]))
+
+    torch = pytest.importorskip("torch")
+    from precond.bench.torch_models import build_model
+    from precond.bench.torch_runner import _loss_function
+
+    model = build_model(workload.torch_model, 0)
+    with torch.no_grad():
+        for linear, layer in zip(model.layers, params, strict=True):
+            linear.weight.copy_(torch.from_numpy(np.array(layer["w"]).T.copy()))
+            linear.bias.copy_(torch.from_numpy(np.array(layer["b"])))
+        loss = _loss_function(workload)(model(torch.from_numpy(x)), torch.from_numpy(y))
+    np.testing.assert_allclose(loss.item(), expected, rtol=1e-5)
+
+
+def test_default_workloads_are_not_the_saturated_digits_classifiers():
+    defaults = [name for name, w in WORKLOADS.items() if w.default]
+    assert defaults == ["teacher-student", "char-lm"]
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench"]).workloads == defaults
 
 
 def test_char_lm_split_is_deterministic_shifted_and_disjoint():
@@ -631,6 +716,73 @@ def test_fastest_to_adamw_names_the_least_time_and_the_fewest_steps():
     assert format_fastest(summarize(runs[2:])) == ""
 
 
+def test_verdict_names_the_decisive_metric_and_says_when_precond_loses():
+    """precond's fastest optimizer against the other libraries' fastest, by the
+    time to AdamW's final loss; a loss is said plainly."""
+    runs = [
+        _run("adamw", 1e-3, 0, [3.0, 2.0, 1.5, 1.0]),
+        _run("kron", 1e-3, 0, [3.0, 1.0, 0.8, 0.7], [0, 0.4, 0.8, 1.2]),
+        _run("muon", 1e-3, 0, [3.0, 1.5, 1.0, 0.9]),
+    ]
+    references = ("adamw", "muon", "sgd")
+    lines = format_verdicts(summarize(runs), references).splitlines()
+    assert lines[0].startswith("Decisive metric: the training time to reach adamw")
+    assert lines[1] == (
+        "w (jax): precond does not win: kron 0.4 s, muon 0.2 s (2.00×)."
+    )
+    # Kron at Muon's step time: 0.1 s, half of Muon's.
+    runs[1] = _run("kron", 1e-3, 0, [3.0, 1.0, 0.8, 0.7])
+    assert format_verdicts(summarize(runs), references).splitlines()[1] == (
+        "w (jax): precond wins: kron 0.1 s, muon 0.2 s (0.50×)."
+    )
+    # Kron never reaches the target.
+    runs[1] = _run("kron", 1e-3, 0, [3.0, 2.5, 2.0, 1.8])
+    assert format_verdicts(summarize(runs), references).splitlines()[1] == (
+        "w (jax): precond does not win: muon reaches adamw's final validation "
+        "loss in 0.2 s; none of precond's optimizers reaches it."
+    )
+    markdown = format_markdown(
+        summarize(runs),
+        command="precond bench",
+        config={},
+        environment={},
+        plots=[],
+        references=references,
+    )
+    assert "## Verdict" in markdown
+    assert "- w (jax): precond does not win: muon" in markdown
+    # Without a baseline there is no target and no verdict.
+    assert format_verdicts(summarize(runs[1:]), references) == ""
+
+
+def test_results_table_has_its_header_and_replaces_the_marked_block():
+    runs = [
+        _run("adamw", 1e-3, 0, [3.0, 2.0, 1.5, 1.0]),
+        _run("kron", 1e-3, 0, [3.0, 1.0, 0.8, 0.7], [0, 0.4, 0.8, 1.2]),
+    ]
+    environment = {"cpu": "Some CPU", "available_cores": 2, "commit": "abc1234"}
+    table = results_table(
+        summarize(runs),
+        command="precond bench --seeds 3",
+        environment=environment,
+        date="2026-12-07T01:00:00Z",
+    )
+    header, blank, *rows = table.splitlines()
+    assert header.startswith(
+        "`precond bench --seeds 3`: Some CPU, 2 cores, commit `abc1234`, 2026-12-07"
+    )
+    assert blank == ""
+    assert rows[0].startswith("| workload | optimizer | val loss | time to adamw")
+    assert rows[2].startswith("| w | adamw | 1 | 0.3s (1.00) | 30 (1.00) |")
+    assert rows[3].startswith("| w | kron | 0.7 | 0.4s (1.33) | 10 (0.33) |")
+    text = f"# Title\n\n{RESULTS_BEGIN}\nold table\n{RESULTS_END}\n\nrest\n"
+    replaced = replace_results_block(text, table)
+    assert replaced == f"# Title\n\n{RESULTS_BEGIN}\n{table}{RESULTS_END}\n\nrest\n"
+    assert replace_results_block(replaced, table) == replaced  # idempotent
+    with pytest.raises(ValueError, match=r"README\.md has no results block"):
+        replace_results_block("# no markers\n", table, "README.md")
+
+
 def test_lr_multiplier_warms_up_then_decays_to_zero():
     assert lr_multiplier(0.0, "cosine") == 0.0
     assert lr_multiplier(0.025, "cosine") == pytest.approx(0.5)
@@ -773,12 +925,19 @@ def test_muon_trains_the_same_hidden_matrices_in_both_frameworks(workload):
     # Every hidden matrix is 2-D; no embedding table or output layer is hidden.
     assert jax_hidden
     assert all(len(shape) == 2 for _, shape in jax_hidden)
+    output_layer = f"[{len(params) - 1}]" if isinstance(params, list) else "head"
     assert not any(
         name in path
         for path, _ in jax_hidden
-        for name in ("embedding", "position", "head", "dense_2", "[2]")
+        for name in ("embedding", "position", "head", "dense_2", output_layer)
     )
     expected = {
+        "teacher-student": [f"layers.{i}.weight" for i in range(3)],
+        "char-lm-large": [
+            f"layers.{i}.{name}.weight"
+            for i in range(4)
+            for name in ("attn_qkv", "attn_out", "mlp_in", "mlp_out")
+        ],
         "digits-mlp": ["layers.0.weight", "layers.1.weight"],
         "digits-cnn": ["dense_1.weight"],
         "char-lm": [
@@ -920,13 +1079,13 @@ def test_lr_sets_muons_adamw_part_and_the_sweep_scales_muons_rate_only():
     assert adamw[0].spec is OPTIMIZERS["adamw"]
 
 
-def test_muon_and_pro_are_in_the_default_suite():
+def test_muon_and_pro_adamw_are_in_the_default_suite():
     for frameworks in (["jax"], ["torch"], ["jax", "torch"]):
         names = [s.name for s in cli._resolve_optimizers(None, frameworks)]
         assert "muon" in names, frameworks
         assert "adamw" in names, frameworks
-        assert "pro" in names, frameworks
-    for name in ("muon", "pro"):
+        assert "pro-adamw" in names, frameworks
+    for name in ("muon", "pro", "pro-adamw"):
         assert set(OPTIMIZERS[name].frameworks()) == {"jax", "torch"}, name
 
 
@@ -1066,6 +1225,15 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     assert f"- {fastest_line}" in markdown
     (entry,) = document["fastest"]
     assert entry["target"] == runs[framework, "adamw"]["final_val_loss"]
+    # And the verdict: the decisive metric, and whether precond wins here.
+    assert "Decisive metric: the training time to reach adamw" in out
+    pattern = rf"^{workload} \({framework}\): (precond|no optimizer)"
+    verdict = re.search(pattern, out, re.M)
+    assert verdict is not None, out
+    assert f"- {verdict[0]}" in markdown
+    shown = workload if framework == "jax" else f"{workload} ({framework})"
+    table = (folder / "results-table.md").read_text()
+    assert table.count(f"| {shown} |") == len(runs)
     assert "report written to" in out
     # What the figures depend on is recorded: versions, CPU, cores, threads and
     # the exact command.
@@ -1243,8 +1411,10 @@ def test_help_documents_every_flag(capsys):
         (["--devices", "16", "--batch-size", "16"], "jax sees 8 device(s)"),
         (["--json", "/nonexistent/folder/out.json"], "does not exist"),
         (["--output", "/nonexistent/folder/out"], "does not exist"),
+        (["--readme", "/nonexistent/README.md"], "--readme '/nonexistent/README.md'"),
+        (["--readme", "pyproject.toml"], "pyproject.toml has no results block"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-        (["--batch-size", "100000"], "exceeds the 1438 training rows"),
+        (["--batch-size", "100000"], "exceeds the 6555 training rows of workload 'c"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, phrase, capsys):

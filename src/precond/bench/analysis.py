@@ -320,3 +320,44 @@ def fastest(rows: Sequence[Summary]) -> list[Fastest]:
         )
         found.append(Fastest(framework, workload, targets[0], by_time, by_steps))
     return found
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """precond against the other libraries on a (framework, workload), by the
+    bench's decisive metric: the training time to reach the baseline's final
+    validation loss. ``ours``: the fastest of precond's optimizers that reached
+    it, ``theirs``: the fastest of the others (the baseline among them); None
+    where none of that side reached it or none was run. ``ratio``: ours' time /
+    theirs' (below 1: precond is faster), None unless both reached it."""
+
+    framework: str
+    workload: str
+    target: float
+    ours: Summary | None
+    theirs: Summary | None
+    ratio: float | None
+
+
+def verdicts(rows: Sequence[Summary], references: Sequence[str]) -> list[Verdict]:
+    """One :class:`Verdict` per (framework, workload) with a target, where
+    ``references`` names the optimizers that are not precond's (AdamW, Muon,
+    SGD): the rows of every other optimizer are precond's."""
+    found = []
+    for framework, workload in dict.fromkeys((r.framework, r.workload) for r in rows):
+        group = [r for r in rows if (r.framework, r.workload) == (framework, workload)]
+        targets = [r.target for r in group if r.target is not None]
+        if not targets:
+            continue
+
+        def quickest(side: list[Summary]) -> Summary | None:
+            reached = [r for r in side if r.time_to_target is not None]
+            return min(reached, key=lambda r: r.time_to_target or 0.0, default=None)
+
+        ours = quickest([r for r in group if r.optimizer not in references])
+        theirs = quickest([r for r in group if r.optimizer in references])
+        ratio = None
+        if ours is not None and theirs is not None:
+            ratio = _ratio(ours.time_to_target, theirs.time_to_target)
+        found.append(Verdict(framework, workload, targets[0], ours, theirs, ratio))
+    return found

@@ -42,6 +42,8 @@ INTERRUPTED = 130
 
 DEFAULT_LR_SWEEP = (0.3, 1.0, 3.0)
 DEFAULT_OUTPUT = "bench-results"
+# The optimizers of other libraries that the verdict compares precond's with.
+REFERENCES = tuple(name for name, spec in OPTIMIZERS.items() if spec.reference)
 
 # Modules each framework needs, and the extra that installs them.
 FRAMEWORK_MODULES = {
@@ -137,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--workloads",
         type=names(WORKLOADS, "workload"),
-        default=list(WORKLOADS),
+        default=[name for name, w in WORKLOADS.items() if w.default],
         metavar="A,B",
-        help=f"comma-separated workloads (default: {','.join(WORKLOADS)})",
+        help="comma-separated workloads (default: "
+        + ",".join(name for name, w in WORKLOADS.items() if w.default)
+        + ")",
     )
     bench.add_argument(
         "--optimizers",
@@ -282,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-progress", action="store_true", help="do not show progress bars"
     )
     bench.add_argument(
+        "--readme",
+        metavar="PATH",
+        help="also write this run's results table into the Markdown file PATH, "
+        "between its lines <!-- bench-results:begin --> and "
+        "<!-- bench-results:end --> (how README.md's table is made)",
+    )
+    bench.add_argument(
         "--list",
         action="store_true",
         help="list the workloads and optimizers (with their learning rates), exit",
@@ -290,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------- commands
+
+
+def _rates_text(rates: dict[str, float]) -> str:
+    """ "teacher-student 0.027, char-lm 0.01, ...", in the order of WORKLOADS."""
+    return ", ".join(f"{w} {rates[w]:g}" for w in WORKLOADS if w in rates)
 
 
 def _format_list() -> str:
@@ -305,13 +321,11 @@ def _format_list() -> str:
         installed = "" if s.available() else " (not installed)"
         lines.append(f"  {s.name:<{width}}  {s.description}{installed}")
         for framework in s.frameworks():
-            rates = s.learning_rates[framework]
-            per_workload = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+            per_workload = _rates_text(s.learning_rates[framework])
             lines.append(f"  {'':<{width}}  {framework} lr: {per_workload}")
         for keyword, by_framework in s.part_learning_rates.items():
             for framework in s.frameworks():
-                rates = by_framework[framework]
-                per_workload = ", ".join(f"{k} {v:g}" for k, v in rates.items())
+                per_workload = _rates_text(by_framework[framework])
                 lines.append(f"  {'':<{width}}  {framework} {keyword}: {per_workload}")
     return "\n".join(lines)
 
@@ -405,6 +419,22 @@ def _check_json(args: argparse.Namespace) -> None:
         )
 
 
+def _read_readme(args: argparse.Namespace) -> str | None:
+    """The text of ``--readme``'s file, checked before the runs: it exists and has
+    the results block's markers."""
+    if args.readme is None:
+        return None
+    from precond.bench.report import replace_results_block
+
+    try:
+        with open(args.readme, encoding="utf-8") as file:
+            text = file.read()
+        replace_results_block(text, "", args.readme)
+    except (OSError, ValueError) as error:
+        raise _error(f"--readme {args.readme!r}: {error}") from None
+    return text
+
+
 def _check_lr(args: argparse.Namespace, specs) -> dict[str, float]:
     overrides: dict[str, float] = {}
     names = [s.name for s in specs]
@@ -468,6 +498,7 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise _error(f"--devices {args.devices} applies to jax, which is not selected")
     output = _check_output(args)
     _check_json(args)
+    readme = _read_readme(args)
     workloads = [WORKLOADS[name] for name in args.workloads]
     _check_batch_size(args, workloads, args.devices if "jax" in frameworks else 1)
     threads = configure_threads(args.threads, tuple(frameworks), args.devices)
@@ -482,8 +513,11 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         format_fastest,
         format_markdown,
         format_table,
+        format_verdicts,
         format_winners,
         json_document,
+        replace_results_block,
+        results_table,
         skipped_steps_line,
         write_json,
     )
@@ -540,6 +574,9 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if fastest:
             print(fastest)
         print(skipped_steps_line(rows))
+        verdict = format_verdicts(rows, REFERENCES, baseline=BASELINE)
+        if verdict:
+            print(verdict)
 
     os.makedirs(output, exist_ok=True)
     plots = []
@@ -557,9 +594,18 @@ def _run_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         baseline=BASELINE,
         interrupted=outcome.interrupted,
         date=date,
+        references=REFERENCES,
     )
     with open(os.path.join(output, "report.md"), "w", encoding="utf-8") as file:
         file.write(markdown)
+    table = results_table(
+        rows, command=command, environment=env, date=date, baseline=BASELINE
+    )
+    with open(os.path.join(output, "results-table.md"), "w", encoding="utf-8") as file:
+        file.write(table)
+    if readme is not None and not outcome.interrupted:
+        with open(args.readme, "w", encoding="utf-8") as file:
+            file.write(replace_results_block(readme, table, args.readme))
     document = json_document(
         results,
         rows,

@@ -7,6 +7,8 @@ arrays feed the JAX and the PyTorch models.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,13 +21,14 @@ class Split:
     """A supervised dataset split into disjoint train and test rows (NumPy arrays).
 
     Inputs are float32 features or int32 tokens; targets are int32 labels, one per
-    row (classification) or one per position of the row (language modelling).
+    row (classification) or one per position of the row (language modelling), or
+    float32 vectors, one per row (regression).
     """
 
     x_train: np.ndarray  # (n_train, ...) float32 features or int32 tokens
-    y_train: np.ndarray  # (n_train,) or (n_train, ...) int32
+    y_train: np.ndarray  # (n_train,) or (n_train, ...) int32, or float32 vectors
     x_test: np.ndarray  # (n_test, ...) float32 features or int32 tokens
-    y_test: np.ndarray  # (n_test,) or (n_test, ...) int32
+    y_test: np.ndarray  # (n_test,) or (n_test, ...) int32, or float32 vectors
 
 
 def batch_indices(n_rows: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
@@ -106,6 +109,65 @@ def load_digits_split(split_seed: int) -> Split:
     std = np.where(std > 0, std, 1.0)
     x = ((x - mean) / std).astype(np.float32)
     return Split(x[train], y[train], x[test], y[test])
+
+
+# --------------------------------------------------------------------------- teacher
+
+# A regression task with an unlimited supply of fresh samples: inputs drawn from a
+# Gaussian whose covariance has a condition number of 10⁴ (eigenvalues
+# log-spaced from 1 down to 10⁻⁴, in a random basis), targets from a fixed random
+# tanh network (the teacher). The train rows are enough for every step of the
+# bench's budget to see rows it has not seen before.
+TEACHER_SIZES = (32, 64, 64, 8)  # the teacher network: inputs, hidden, outputs
+TEACHER_CONDITION = 1e4  # largest / smallest eigenvalue of the inputs' covariance
+TEACHER_TRAIN_ROWS = 1 << 19
+TEACHER_TEST_ROWS = 4096
+
+
+def teacher_network(seed: int):
+    """The teacher's weight matrices (float64), N(0, 1/fan_in) entries, and the
+    square root of the inputs' covariance ((d, d), float64), from ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sizes = TEACHER_SIZES
+    weights = [rng.normal(0.0, m**-0.5, (m, n)) for m, n in itertools.pairwise(sizes)]
+    d = sizes[0]
+    basis, _ = np.linalg.qr(rng.normal(size=(d, d)))
+    variances = TEACHER_CONDITION ** -np.linspace(0.0, 1.0, d)
+    variances *= d / variances.sum()  # trace d: unit variance on average
+    return weights, (basis * np.sqrt(variances)) @ basis.T
+
+
+def teacher_targets(weights, x):
+    """The teacher's outputs for inputs ``x``: tanh hidden layers, linear output."""
+    import numpy as np
+
+    *hidden, last = weights
+    for w in hidden:
+        x = np.tanh(x @ w)
+    return x @ last
+
+
+@functools.lru_cache(maxsize=1)
+def load_teacher_student_split(split_seed: int) -> Split:
+    """``TEACHER_TRAIN_ROWS`` training and ``TEACHER_TEST_ROWS`` test rows of the
+    teacher–student regression, float32: inputs ``x = z·C^{1/2}`` with z
+    standard normal, targets the teacher's outputs standardised with the train
+    rows' mean and standard deviation. ``split_seed`` draws the teacher, the
+    covariance and the rows. Cached: every run of a suite shares one copy (the
+    arrays must not be written to)."""
+    import numpy as np
+
+    weights, root = teacher_network(split_seed)
+    rng = np.random.default_rng(split_seed + 1)
+    z = rng.normal(size=(TEACHER_TRAIN_ROWS + TEACHER_TEST_ROWS, TEACHER_SIZES[0]))
+    x = z @ root
+    y = teacher_targets(weights, x)
+    n = TEACHER_TRAIN_ROWS
+    y = (y - y[:n].mean(axis=0)) / y[:n].std(axis=0)
+    x, y = x.astype(np.float32), y.astype(np.float32)
+    return Split(x[:n], y[:n], x[n:], y[n:])
 
 
 # --------------------------------------------------------------------------- char-lm

@@ -76,6 +76,31 @@ def scored_metrics(logits_fn: Callable) -> Callable:
     return metrics
 
 
+def mean_squared_error(predict_fn: Callable) -> Callable:
+    """(params, x, y) ↦ mean over rows of the squared error ‖f(x) − y‖² / outputs
+    of ``predict_fn(params, x)`` against float targets ``y``."""
+
+    def loss(params: Params, x, y):
+        import jax.numpy as jnp
+
+        return jnp.square(predict_fn(params, x) - y).mean()
+
+    return loss
+
+
+def regression_metrics(predict_fn: Callable) -> Callable:
+    """(params, x, y) ↦ {"loss", "accuracy"}: :func:`mean_squared_error` over
+    every row, and NaN (a regression has no accuracy; reports leave it out)."""
+    loss_fn = mean_squared_error(predict_fn)
+
+    def metrics(params: Params, x, y) -> dict[str, Any]:
+        import jax.numpy as jnp
+
+        return {"loss": loss_fn(params, x, y), "accuracy": jnp.float32(jnp.nan)}
+
+    return metrics
+
+
 # ---------------------------------------------------------------------------- MLP
 
 DIGITS_LAYER_SIZES = (64, 256, 256, 10)
@@ -100,6 +125,32 @@ def mlp_logits(params: Params, x):
     *hidden, last = params
     for layer in hidden:
         x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    return x @ last["w"] + last["b"]
+
+
+# The teacher–student student: a tanh MLP, linear output.
+TEACHER_STUDENT_SIZES = (32, 256, 256, 256, 8)
+
+
+def init_tanh_mlp(seed: int, sizes: tuple[int, ...]) -> Params:
+    """N(0, 1/fan_in) weights and zero biases, laid out as :func:`init_mlp`'s."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(sizes) - 1)
+    return [
+        {"w": _normal(key, (m, n), m**-0.5), "b": jnp.zeros(n)}
+        for key, m, n in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
+def tanh_mlp(params: Params, x):
+    """tanh MLP with a linear output layer: outputs of shape (batch, outputs)."""
+    import jax.numpy as jnp
+
+    *hidden, last = params
+    for layer in hidden:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
     return x @ last["w"] + last["b"]
 
 
@@ -167,6 +218,9 @@ CHAR_LM_D_MODEL = 64
 CHAR_LM_HEADS = 4
 CHAR_LM_LAYERS = 2
 CHAR_LM_MLP_RATIO = 4
+# (d_model, layers) of the larger transformer, a model the bench's defaults (and
+# pro_adamw's) were not chosen on.
+LARGE_CHAR_LM = (256, 4)
 
 
 def init_char_lm(

@@ -88,6 +88,30 @@ def package_versions(frameworks: tuple[str, ...]) -> dict[str, str]:
     return versions
 
 
+def source_commit() -> str:
+    """The git commit of the precond checkout this package runs from (short hash,
+    "+changes" when tracked files differ from it), or "unknown" outside one (an
+    installed wheel, no git)."""
+    import subprocess
+
+    folder = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args], cwd=folder, capture_output=True, text=True, timeout=10
+        )
+        if done.returncode:
+            raise OSError(done.stderr)
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+changes" if changed else "")
+
+
 def environment(frameworks: tuple[str, ...], threads: dict[str, int]) -> dict[str, Any]:
     """What a result depends on besides the command: package versions, Python,
     CPU model, core counts, thread settings, XLA flags and the JAX device."""
@@ -100,6 +124,7 @@ def environment(frameworks: tuple[str, ...], threads: dict[str, int]) -> dict[st
         "available_cores": available_cores(),
         **threads,
         "load_average_1min": round(os.getloadavg()[0], 2),
+        "commit": source_commit(),
     }
     if "jax" in frameworks and "jax" in sys.modules:
         import jax

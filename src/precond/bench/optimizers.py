@@ -66,6 +66,8 @@ class OptimizerSpec:
             matrices and the rest: the JAX factory gets the workload's
             ``hidden_matrices`` rule as a keyword argument, the PyTorch factory
             calls the model's ``hidden_matrices()``.
+        reference: another library's optimizer (AdamW, Muon, SGD), which
+            precond's are compared with; False for precond's own.
     """
 
     name: str
@@ -79,6 +81,7 @@ class OptimizerSpec:
         default_factory=dict
     )
     partitioned: bool = False
+    reference: bool = False
 
     def frameworks(self) -> tuple[str, ...]:
         """The frameworks this optimizer has a factory for."""
@@ -487,70 +490,122 @@ def _make_torch_kfac(model, lr: float, weight_decay: float) -> TorchOptimizer:
 KFAC_DAMPING = 0.003
 
 
-# Peak learning rate of each optimizer, per framework and workload (each
-# workload's own step budget, cosine schedule, weight decay 1e-4, seed 0): the
-# lowest final validation loss of
-#   precond bench --frameworks jax --lr-sweep 0.3,1,3 --no-plots
-#   precond bench --frameworks torch --lr-sweep 0.3,1,3 --no-plots
-# around the previous rates (2026-11-24), extended with `--lr NAME=RATE` past an
-# edge where the best rate was one (BENCHMARKS.md, "Learning rates"). The two
-# frameworks' models start from different random weights, and Kron's best digits
-# rates differ between them. `--lr-sweep` re-derives the table around these rates.
-_BOTH = ("jax", "torch")
+# The larger transformer's rates: the better of half and all of char-lm's (a
+# model the defaults were not chosen on; BENCHMARKS.md, "Models the defaults
+# were not chosen on"). Each is at the edge of those two, so the sweep leaves
+# room on AdamW's and pro_adamw's side below and on Muon's above.
+CHAR_LM_LARGE_ADAMW = 5e-3
+CHAR_LM_LARGE_MUON = 0.04
+CHAR_LM_LARGE_PRO_ADAMW = 0.01
+
+
+def _rates(**by_workload: float) -> dict[str, float]:
+    """workload ↦ rate, from keyword arguments named after the workloads (with
+    underscores for their hyphens)."""
+    return {name.replace("_", "-"): rate for name, rate in by_workload.items()}
+
+
+# Peak learning rate of each optimizer, per framework and workload: the lowest
+# final validation loss (seed 0, each workload's own budget, cosine schedule,
+# weight decay 1e-4) of
+#   precond bench --frameworks jax --optimizers adamw,muon,pro-adamw,kron,shampoo
+#       --lr NAME=RATE ... --lr-sweep 0.33,1,3
+# around the previous best, extended past an edge where the best rate was one
+# (BENCHMARKS.md, "Learning rates"). The default workloads were swept in JAX;
+# PyTorch uses JAX's rates on them (same architectures, other random weights),
+# except on char-lm, swept in PyTorch too at 200 steps. Optimizers outside the
+# default suite take a rule on the default workloads (pro: twice AdamW's rate;
+# XMat, LRA: AdamW's; Affine: half AdamW's; SGD: ten times AdamW's; K-FAC: a
+# tenth of AdamW's), swept only on the digits workloads and on char-lm at its
+# former budget of 200 steps.
+_ADAMW = _rates(
+    teacher_student=0.027,
+    char_lm=0.01,
+    char_lm_large=CHAR_LM_LARGE_ADAMW,
+    digits_mlp=3e-3,
+    digits_cnn=3e-3,
+)
+
+
+def _times(factor: float, rates: dict[str, float], **swept: float) -> dict[str, float]:
+    """``factor`` times each rate of ``rates``, but the rates ``swept`` (keywords
+    as :func:`_rates`')."""
+    return {name: factor * rate for name, rate in rates.items()} | _rates(**swept)
+
+
+_KRON = _rates(
+    teacher_student=3e-3,
+    char_lm=9e-3,
+    char_lm_large=4.5e-3,
+    digits_mlp=3e-3,
+    digits_cnn=3e-3,
+)
+_MUON = _rates(
+    teacher_student=0.018,
+    char_lm=0.04,
+    char_lm_large=CHAR_LM_LARGE_MUON,
+    digits_mlp=6e-3,
+    digits_cnn=0.01,
+)
+_MUON_ADAM = _rates(
+    teacher_student=9e-3,
+    char_lm=0.1,
+    char_lm_large=0.1,
+    digits_mlp=3e-3,
+    digits_cnn=3e-3,
+)
+
 LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
     "kron": {
-        "jax": {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 9e-3},
-        "torch": {"digits-mlp": 9e-4, "digits-cnn": 9e-4, "char-lm": 9e-3},
+        "jax": _KRON,
+        "torch": _times(1.0, _KRON, digits_mlp=9e-4, digits_cnn=9e-4),
     },
-    # pro (2026-11-25): the lowest final validation loss of
-    #   precond bench --frameworks F --optimizers pro --lr-sweep 0.5,1,2[,4]
-    # from AdamW's rates (JAX's char-lm extended with --lr pro=0.02 --lr-sweep
-    # 1,2,4: 0.02 2.066, 0.04 1.904, 0.08 2.076; PyTorch's 0.04 1.914, 0.08 2.015).
-    # The best is 1-4 times AdamW's rate: twice it is within 2x of the best on
-    # every workload (BENCHMARKS.md, "Learning rates").
     "pro": {
-        "jax": {"digits-mlp": 3e-3, "digits-cnn": 6e-3, "char-lm": 0.04},
-        "torch": {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 0.04},
+        "jax": _times(2.0, _ADAMW, digits_mlp=3e-3, digits_cnn=6e-3, char_lm=0.04),
+        "torch": _times(2.0, _ADAMW, digits_mlp=3e-3, digits_cnn=3e-3, char_lm=0.04),
     },
-    "shampoo": {"jax": {"digits-mlp": 3e-4, "digits-cnn": 1e-4, "char-lm": 1e-3}},
-    # XMat, LRA, Affine (2026-11-27): the lowest final validation loss of
-    #   precond bench --frameworks jax --optimizers xmat,lra,affine
-    #     --lr-sweep 0.25,0.5,1,2,4
-    # from AdamW's rates; LRA's digits-mlp and Affine's digits-mlp bests are at
-    # the grid's edges (BENCHMARKS.md, "Learning rates").
-    "xmat": {"jax": {"digits-mlp": 3e-3, "digits-cnn": 6e-3, "char-lm": 5e-3}},
-    "lra": {"jax": {"digits-mlp": 0.012, "digits-cnn": 6e-3, "char-lm": 5e-3}},
-    "affine": {"jax": {"digits-mlp": 7.5e-4, "digits-cnn": 1.5e-3, "char-lm": 0.01}},
-    "kfac": {"torch": {"digits-mlp": 1e-3, "digits-cnn": 1e-3, "char-lm": 0.09}},
-    "adamw": {
-        f: {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 1e-2} for f in _BOTH
+    "pro-adamw": {
+        f: _rates(
+            teacher_student=9e-3,
+            char_lm=0.02,
+            char_lm_large=CHAR_LM_LARGE_PRO_ADAMW,
+            digits_mlp=3e-3,
+            digits_cnn=3e-3,
+        )
+        for f in ("jax", "torch")
     },
-    "sgd": {f: {"digits-mlp": 0.03, "digits-cnn": 0.03, "char-lm": 0.3} for f in _BOTH},
-    # Muon's rate for the hidden matrices (2026-11-25): the lowest final validation
-    # loss of
-    #   precond bench --frameworks F --optimizers muon --lr-sweep 0.3,1,3,10
-    # from 0.02 (0.006 to 0.2), refined with --lr muon=R --lr-sweep M1,M2 (0.002,
-    # 0.003, 0.01, 0.03, 0.04, 0.09), its AdamW part at AdamW's rate; then swept
-    # again at 1/2 and 2 times with the AdamW-part rates below (JAX's char-lm
-    # moved from 0.04 to 0.08; 0.12 and 0.16 were worse).
-    "muon": {
-        "jax": {"digits-mlp": 6e-3, "digits-cnn": 0.01, "char-lm": 0.08},
-        "torch": {"digits-mlp": 6e-3, "digits-cnn": 0.01, "char-lm": 0.06},
+    "shampoo": {
+        "jax": _rates(
+            teacher_student=3e-4,
+            char_lm=1e-3,
+            char_lm_large=5e-4,
+            digits_mlp=3e-4,
+            digits_cnn=1e-4,
+        )
     },
+    "xmat": {"jax": _times(1.0, _ADAMW, digits_cnn=6e-3, char_lm=5e-3)},
+    "lra": {
+        "jax": _times(1.0, _ADAMW, digits_mlp=0.012, digits_cnn=6e-3, char_lm=5e-3)
+    },
+    "affine": {
+        "jax": _times(0.5, _ADAMW, digits_mlp=7.5e-4, digits_cnn=1.5e-3, char_lm=0.01)
+    },
+    "kfac": {
+        "torch": _times(0.1, _ADAMW, digits_mlp=1e-3, digits_cnn=1e-3, char_lm=0.09)
+    },
+    "adamw": {f: _ADAMW for f in ("jax", "torch")},
+    "sgd": {f: _times(10.0, _ADAMW, char_lm=0.3) for f in ("jax", "torch")},
+    "muon": {"jax": _MUON, "torch": _times(1.0, _MUON, char_lm=0.06)},
 }
 
 # The rate of Muon's AdamW part (embeddings, output layer, convolution kernels,
-# biases, norms), swept too (2026-11-25): at the Muon rate above, the lowest final
-# validation loss over 1/3, 1 and 3 times AdamW's rate on the workload (--lr
-# muon.adam_learning_rate=R), extended past an edge where the best rate was one
-# (9 times in PyTorch's digits; 10 and 30 times on char-lm); Muon's rate was then
-# swept again with the chosen part rate (above). AdamW's own rate was best
-# in JAX's digits workloads, 3 times it in PyTorch's (optax.contrib.muon's AdamW
-# part uses Nesterov momentum, torch.optim.AdamW does not), and 10 times it on
-# char-lm in both (its embeddings and output head).
+# biases, norms): AdamW's own rate on the MLPs in JAX, 3 times it in PyTorch's
+# digits workloads (optax.contrib.muon's AdamW part uses Nesterov momentum,
+# torch.optim.AdamW does not), and 0.1 on the transformers (their embeddings and
+# output head), each swept at 1/3, 1 and 3 times (10 and 30 times on char-lm).
 MUON_ADAM_LEARNING_RATES: dict[str, dict[str, float]] = {
-    "jax": {"digits-mlp": 3e-3, "digits-cnn": 3e-3, "char-lm": 0.1},
-    "torch": {"digits-mlp": 9e-3, "digits-cnn": 9e-3, "char-lm": 0.1},
+    "jax": _MUON_ADAM,
+    "torch": _times(1.0, _MUON_ADAM, digits_mlp=9e-3, digits_cnn=9e-3),
 }
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -571,20 +626,16 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_pro,
             make_torch=_make_torch_pro,
             learning_rates=LEARNING_RATES["pro"],
+            default=False,
         ),
         OptimizerSpec(
             name="pro-adamw",
             description="pro on hidden weight matrices, AdamW on the rest "
             "(precond.jax.pro_adamw / precond.torch.ProAdamW, their defaults: pro "
-            "at 4 times the AdamW rate, b1 0.5, 'QEQ' fits on a schedule); not in "
-            "the default suite",
+            "at 4 times the AdamW rate, b1 0.5, 'QEQ' fits on a schedule)",
             make=_make_pro_adamw,
             make_torch=_make_torch_pro_adamw,
-            # AdamW's rates: pro_adamw takes AdamW's rate (pro runs at 4 times
-            # it), the rule measured on the char-lm (BENCHMARKS.md, "pro on the
-            # hidden matrices, AdamW on the rest"); not swept on its own.
-            learning_rates=LEARNING_RATES["adamw"],
-            default=False,
+            learning_rates=LEARNING_RATES["pro-adamw"],
             partitioned=True,
         ),
         *(
@@ -627,6 +678,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_adamw,
             make_torch=_make_torch_adamw,
             learning_rates=LEARNING_RATES["adamw"],
+            reference=True,
         ),
         OptimizerSpec(
             name="muon",
@@ -637,6 +689,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_muon,
             make_torch=_make_torch_muon,
             learning_rates=LEARNING_RATES["muon"],
+            reference=True,
             part_learning_rates={"adam_learning_rate": MUON_ADAM_LEARNING_RATES},
             partitioned=True,
         ),
@@ -646,6 +699,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             make=_make_sgd,
             make_torch=_make_torch_sgd,
             learning_rates=LEARNING_RATES["sgd"],
+            reference=True,
+            default=False,
         ),
     )
 }

@@ -17,9 +17,11 @@ from typing import Any
 from precond.bench.analysis import (
     Fastest,
     Summary,
+    Verdict,
     Winner,
     fastest,
     ranked,
+    verdicts,
     winners,
 )
 from precond.bench.runner import RunResult
@@ -51,6 +53,11 @@ def _number(value: float | None, spec: str) -> str:
     if value is None:
         return "-"
     return format(value, spec) if math.isfinite(value) else str(value)
+
+
+def _accuracy(value: float) -> str:
+    """ "93.1%", or "-" where there is none (a regression workload)."""
+    return f"{100 * value:.1f}%" if math.isfinite(value) else "-"
 
 
 def _ratio(value: float | None) -> str:
@@ -104,7 +111,7 @@ def table_cells(row: Summary, rank: int, baseline: str) -> list[str]:
         str(rank),
         f"{row.learning_rate:g}",
         _loss(row),
-        _number(100 * row.val_accuracy, ".1f") + "%",
+        _accuracy(row.val_accuracy),
         _reach(row.steps_to_target, row.steps_ratio, row, "steps"),
         _reach(row.time_to_target, row.time_ratio, row, "time"),
         _number(row.median_step_ms, ".2f"),
@@ -184,6 +191,55 @@ def format_fastest(rows: Sequence[Summary], baseline: str = "adamw") -> str:
     return "\n".join(fastest_line(f, baseline) for f in fastest(rows))
 
 
+DECISIVE_METRIC = (
+    "the training time to reach {baseline}'s final validation loss and stay "
+    "below it (mean over seeds, each optimizer at its selected learning rate)"
+)
+
+
+def verdict_line(verdict: Verdict, baseline: str = "adamw") -> str:
+    """One plain sentence: does precond's fastest optimizer reach ``baseline``'s
+    final validation loss sooner than the fastest of the other libraries'?"""
+    head = f"{verdict.workload} ({verdict.framework}): "
+    ours, theirs = verdict.ours, verdict.theirs
+    if ours is None and theirs is None:
+        return head + f"no optimizer reached {baseline}'s final validation loss."
+    if ours is None:
+        assert theirs is not None
+        return head + (
+            f"precond does not win: {theirs.optimizer} reaches {baseline}'s final "
+            f"validation loss in {theirs.time_to_target:.3g} s; none of precond's "
+            "optimizers reaches it."
+        )
+    if theirs is None:
+        return head + (
+            f"precond wins: {ours.optimizer} reaches {baseline}'s final validation "
+            f"loss in {ours.time_to_target:.3g} s; no other library's optimizer "
+            "reaches it."
+        )
+    times = (
+        f"{ours.optimizer} {ours.time_to_target:.3g} s, {theirs.optimizer} "
+        f"{theirs.time_to_target:.3g} s"
+    )
+    if verdict.ratio is not None:  # None where theirs reached it at once (0 s)
+        times += f" ({verdict.ratio:.2f}×)"
+    if (ours.time_to_target or 0.0) < (theirs.time_to_target or 0.0):
+        return head + f"precond wins: {times}."
+    return head + f"precond does not win: {times}."
+
+
+def format_verdicts(
+    rows: Sequence[Summary], references: Sequence[str], baseline: str = "adamw"
+) -> str:
+    """The decisive metric in words, then one :func:`verdict_line` per
+    (framework, workload) with a baseline."""
+    found = verdicts(rows, references)
+    if not found:
+        return ""
+    head = "Decisive metric: " + DECISIVE_METRIC.format(baseline=baseline) + "."
+    return "\n".join([head, *(verdict_line(v, baseline) for v in found)])
+
+
 def format_table(rows: Sequence[Summary], baseline: str = "adamw") -> str:
     """A plain-text table, one row per optimizer at its selected rate.
 
@@ -227,8 +283,10 @@ def format_markdown(
     baseline: str = "adamw",
     interrupted: bool = False,
     date: str = "",
+    references: Sequence[str] = (),
 ) -> str:
-    """The Markdown report: how it was made, the summary table, the loss of each
+    """The Markdown report: how it was made, the verdict (precond against the
+    ``references``, by :data:`DECISIVE_METRIC`), the summary table, the loss of each
     optimizer at the baseline's steps and time, the learning-rate sweep and the
     plots (paths relative to the report)."""
     env = ", ".join(f"{k} {v}" for k, v in environment.items())
@@ -243,6 +301,9 @@ def format_markdown(
     ]
     if interrupted:
         out += ["", "**Interrupted**: only the runs that finished are reported."]
+    verdict = format_verdicts(rows, references, baseline).splitlines()
+    if verdict:
+        out += ["", "## Verdict", "", verdict[0], "", *(f"- {v}" for v in verdict[1:])]
     out += [
         "",
         "## Winners",
@@ -320,6 +381,61 @@ def format_markdown(
         out += [f"![{os.path.basename(p)}]({p})" for p in plots]
         out.append("")
     return "\n".join(out)
+
+
+RESULTS_BEGIN = "<!-- bench-results:begin -->"
+RESULTS_END = "<!-- bench-results:end -->"
+
+
+def results_table(
+    rows: Sequence[Summary],
+    *,
+    command: str,
+    environment: dict[str, Any],
+    date: str,
+    baseline: str = "adamw",
+) -> str:
+    """The small Markdown table of a README: a header line naming the command,
+    the machine, the commit and the date, then one row per optimizer (final
+    validation loss, time and steps to ``baseline``'s final validation loss,
+    step time and state size as ratios to ``baseline``'s)."""
+    cores = environment.get("available_cores", environment.get("cpu_count"))
+    seeds = max((len(r.seeds) for r in rows), default=1)
+    header = (
+        f"`{command}`: {environment.get('cpu', 'unknown CPU')}, {cores} cores, "
+        f"commit `{environment.get('commit', 'unknown')}`, {date[:10]}; mean of "
+        f"{seeds} seed{'s' if seeds > 1 else ''}. Time and steps to {baseline}'s "
+        f"final validation loss, and in parentheses their ratio to {baseline}'s."
+    )
+    headers = ["workload", "optimizer", "val loss", f"time to {baseline}"]
+    headers += [f"steps to {baseline}", f"step ×{baseline}", f"state ×{baseline}"]
+    cells = [
+        [
+            r.workload if r.framework == "jax" else f"{r.workload} ({r.framework})",
+            r.optimizer,
+            _loss_with_spread(r).replace(" ± ", "±"),
+            _reach(r.time_to_target, r.time_ratio, r, "time"),
+            _reach(r.steps_to_target, r.steps_ratio, r, "steps"),
+            _ratio(r.step_ratio),
+            _ratio(r.state_ratio),
+        ]
+        for r in rows
+    ]
+    return header + "\n\n" + _markdown_table(headers, cells) + "\n"
+
+
+def replace_results_block(text: str, table: str, name: str = "the file") -> str:
+    """``text`` with what lies between :data:`RESULTS_BEGIN` and
+    :data:`RESULTS_END` replaced by ``table``; ValueError naming ``name`` when the
+    markers are missing or out of order."""
+    begin, end = text.find(RESULTS_BEGIN), text.find(RESULTS_END)
+    if begin < 0 or end < begin:
+        raise ValueError(
+            f"{name} has no results block: put the lines {RESULTS_BEGIN} and "
+            f"{RESULTS_END} where the table goes"
+        )
+    start = begin + len(RESULTS_BEGIN)
+    return text[:start] + "\n" + table + text[end:]
 
 
 def json_safe(value: Any) -> Any:

@@ -6,6 +6,7 @@ see ordinary ``Linear`` and ``Conv2d`` modules. Imports torch: load it lazily.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import cast
@@ -23,6 +24,8 @@ from precond.bench.jax_models import (
     DIGITS_CNN_CHANNELS,
     DIGITS_CNN_HIDDEN,
     DIGITS_LAYER_SIZES,
+    LARGE_CHAR_LM,
+    TEACHER_STUDENT_SIZES,
 )
 
 
@@ -50,6 +53,22 @@ class MLP(nn.Module):
         *hidden, last = self.layers
         for layer in hidden:
             x = F.relu(layer(x))
+        return last(x)
+
+
+class TanhMLP(MLP):
+    """tanh MLP with a linear output layer, N(0, 1/fan_in) weights, zero biases
+    (the teacher–student student)."""
+
+    def __init__(self, sizes: tuple[int, ...]):
+        super().__init__(sizes)
+        for layer, m in zip(self.layers, sizes[:-1], strict=True):
+            _init_linear(cast(nn.Linear, layer), m**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        *hidden, last = self.layers
+        for layer in hidden:
+            x = torch.tanh(layer(x))
         return last(x)
 
 
@@ -111,15 +130,15 @@ class Block(nn.Module):
 class CharLM(nn.Module):
     """The decoder-only byte-level transformer of ``jax_models.init_char_lm``."""
 
-    def __init__(self):
+    def __init__(self, d_model: int = CHAR_LM_D_MODEL, layers: int = CHAR_LM_LAYERS):
         super().__init__()
-        d = CHAR_LM_D_MODEL
-        out_std = (2 * CHAR_LM_LAYERS) ** -0.5
+        d = d_model
+        out_std = (2 * layers) ** -0.5
         self.embedding = nn.Embedding(CHAR_LM_VOCAB, d)
         self.position = nn.Parameter(torch.randn(CHAR_LM_CONTEXT, d))
         self.layers = nn.ModuleList(
             Block(d, CHAR_LM_HEADS, CHAR_LM_MLP_RATIO * d, out_std)
-            for _ in range(CHAR_LM_LAYERS)
+            for _ in range(layers)
         )
         self.final_norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, CHAR_LM_VOCAB, bias=False)
@@ -142,7 +161,13 @@ class CharLM(nn.Module):
         return self.head(self.final_norm(x))
 
 
-MODELS = {"mlp": MLP, "cnn": CNN, "char-lm": CharLM}
+MODELS = {
+    "mlp": MLP,
+    "cnn": CNN,
+    "char-lm": CharLM,
+    "char-lm-large": functools.partial(CharLM, *LARGE_CHAR_LM),
+    "teacher-student": functools.partial(TanhMLP, TEACHER_STUDENT_SIZES),
+}
 
 
 def build_model(kind: str, seed: int) -> nn.Module:

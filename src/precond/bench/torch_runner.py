@@ -7,6 +7,7 @@ Imports torch: load it lazily.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,17 @@ def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean
     )
 
 
+def _squared_error(outputs: torch.Tensor, y: torch.Tensor, reduction: str = "mean"):
+    """Mean (or, with reduction "sum", the sum over rows of the mean over outputs)
+    squared error: the JAX workloads' regression loss."""
+    error = (outputs - y).square().mean(dim=-1)
+    return error.mean() if reduction == "mean" else error.sum()
+
+
+def _loss_function(workload: Workload) -> Callable:
+    return _squared_error if workload.task == "regression" else _cross_entropy
+
+
 def run_torch(
     workload: Workload,
     spec: OptimizerSpec,
@@ -49,6 +61,7 @@ def run_torch(
     split = workload.load_split(workload.split_seed)
     x_train, y_train = _tensor(split.x_train), _tensor(split.y_train)
     x_test, y_test = _tensor(split.x_test), _tensor(split.y_test)
+    loss_fn = _loss_function(workload)
     torch.manual_seed(config.seed)
     model = build_model(workload.torch_model, config.seed)
     optimizer = spec.build("torch", workload, learning_rate, weight_decay, model)
@@ -59,7 +72,7 @@ def run_torch(
         rows = torch.from_numpy(idx).long()
         optimizer.set_lr(learning_rate * scale)
         optimizer.zero_grad()
-        loss = _cross_entropy(model(x_train[rows]), y_train[rows])
+        loss = loss_fn(model(x_train[rows]), y_train[rows])
         loss.backward()
         refused = not gradients_are_usable(
             [p.grad for p in model.parameters() if p.grad is not None]
@@ -74,12 +87,16 @@ def run_torch(
         for start in range(0, len(x_test), EVAL_CHUNK):
             x = x_test[start : start + EVAL_CHUNK]
             y = y_test[start : start + EVAL_CHUNK]
-            logits = model(x)
-            loss_sum += _cross_entropy(logits, y, reduction="sum").item()
-            correct += (logits.argmax(dim=-1) == y).sum().item()
-            count += y.numel()
+            outputs = model(x)
+            loss_sum += loss_fn(outputs, y, reduction="sum").item()
+            if workload.task == "classification":
+                correct += (outputs.argmax(dim=-1) == y).sum().item()
+                count += y.numel()
+            else:
+                count += len(y)
         model.train()
-        return loss_sum / count, correct / count
+        accuracy = correct / count if workload.task == "classification" else math.nan
+        return loss_sum / count, accuracy
 
     loop = training_loop(step, evaluate, config, len(split.x_train), on_step)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

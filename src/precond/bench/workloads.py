@@ -9,6 +9,7 @@ JAX, PyTorch and scikit-learn are imported inside functions, never at import tim
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,11 @@ from precond.bench.data import (  # re-exported: the benchmark scripts use them
     char_lm_text,
     load_char_lm_split,
     load_digits_split,
+    load_teacher_student_split,
 )
 from precond.bench.jax_models import (
+    LARGE_CHAR_LM,
+    TEACHER_STUDENT_SIZES,
     char_lm_hidden_matrices,
     char_lm_logits,
     cnn_hidden_matrices,
@@ -31,9 +35,13 @@ from precond.bench.jax_models import (
     init_char_lm,
     init_cnn,
     init_mlp,
+    init_tanh_mlp,
+    mean_squared_error,
     mlp_hidden_matrices,
     mlp_logits,
+    regression_metrics,
     scored_metrics,
+    tanh_mlp,
 )
 
 __all__ = [
@@ -75,6 +83,10 @@ class Workload:
             weight matrices (every 2-D weight but embedding tables and the output
             layer): the parameters Muon trains, AdamW the rest. The PyTorch
             model's ``hidden_matrices()`` selects the same layers.
+        task: "classification" (cross-entropy against integer labels, with an
+            accuracy) or "regression" (mean squared error against float targets,
+            no accuracy).
+        default: run by a bare ``precond bench``.
     """
 
     name: str
@@ -89,20 +101,40 @@ class Workload:
     eval_every: int
     split_seed: int = 0
     hidden_matrices: Callable[[Params], Params] | None = None
+    task: str = "classification"
+    default: bool = True
+
+
+TASKS = ("classification", "regression")
 
 
 def _workload(
-    name, description, load_split, init, logits, hidden, torch_model, **budget
+    name,
+    description,
+    load_split,
+    init,
+    model,
+    hidden,
+    torch_model,
+    task="classification",
+    **budget,
 ):
+    """A :class:`Workload` whose loss and metrics are ``task``'s, of ``model``'s
+    outputs (logits or predictions)."""
+    loss, metrics = {
+        "classification": (cross_entropy, scored_metrics),
+        "regression": (mean_squared_error, regression_metrics),
+    }[task]
     return Workload(
         name=name,
         description=description,
         load_split=load_split,
         init_params=init,
-        loss=cross_entropy(logits),
-        metrics=scored_metrics(logits),
+        loss=loss(model),
+        metrics=metrics(model),
         torch_model=torch_model,
         hidden_matrices=hidden,
+        task=task,
         **budget,
     )
 
@@ -110,6 +142,21 @@ def _workload(
 WORKLOADS: dict[str, Workload] = {
     workload.name: workload
     for workload in (
+        _workload(
+            "teacher-student",
+            "tanh MLP 32→256→256→256→8 fitting a fixed random tanh network "
+            "(32→64→64→8) on Gaussian inputs with covariance condition number 1e4, "
+            "fresh rows every step; mean squared error",
+            load_teacher_student_split,
+            functools.partial(init_tanh_mlp, sizes=TEACHER_STUDENT_SIZES),
+            tanh_mlp,
+            mlp_hidden_matrices,
+            "teacher-student",
+            task="regression",
+            steps=400,
+            batch_size=1024,
+            eval_every=20,
+        ),
         _workload(
             "digits-mlp",
             "MLP 64→256→256→10 (ReLU) on scikit-learn digits, 20% test",
@@ -121,6 +168,7 @@ WORKLOADS: dict[str, Workload] = {
             steps=300,
             batch_size=128,
             eval_every=20,
+            default=False,
         ),
         _workload(
             "digits-cnn",
@@ -133,6 +181,7 @@ WORKLOADS: dict[str, Workload] = {
             steps=200,
             batch_size=128,
             eval_every=20,
+            default=False,
         ),
         _workload(
             "char-lm",
@@ -144,9 +193,26 @@ WORKLOADS: dict[str, Workload] = {
             char_lm_logits,
             char_lm_hidden_matrices,
             "char-lm",
-            steps=200,
+            steps=400,
             batch_size=32,
             eval_every=25,
+        ),
+        _workload(
+            "char-lm-large",
+            "4-layer decoder-only transformer (d 256, 4 heads, context 64) on "
+            "char-lm's text; not in the default suite: a model the defaults were "
+            "not chosen on",
+            load_char_lm_split,
+            functools.partial(
+                init_char_lm, d_model=LARGE_CHAR_LM[0], layers=LARGE_CHAR_LM[1]
+            ),
+            char_lm_logits,
+            char_lm_hidden_matrices,
+            "char-lm-large",
+            steps=300,
+            batch_size=16,
+            eval_every=25,
+            default=False,
         ),
     )
 }
