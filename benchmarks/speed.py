@@ -131,7 +131,7 @@ def header(command: str, env: dict[str, Any], date: str, quick: bool, rounds: in
 def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     aligns = [
         "---"
-        if h in ("model", "precond", "original", "optimizer", "setting")
+        if h in ("model", "precond", "original", "optimizer", "setting", "source")
         else "---:"
         for h in headers
     ]
