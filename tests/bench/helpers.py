@@ -1,4 +1,4 @@
-"""Helpers shared by the tests of the bench, the benchmark scripts and the docs
+"""Helpers shared by the tests of the bench, the speed harness and the docs
 generator: a repository script loaded as a module."""
 
 import importlib.util
@@ -16,8 +16,3 @@ def script_module(relative_path: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def psgd_quality() -> types.ModuleType:
-    """benchmarks/psgd_quality.py as a module."""
-    return script_module("benchmarks/psgd_quality.py")

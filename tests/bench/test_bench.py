@@ -58,7 +58,6 @@ from precond.bench.workloads import (
     load_char_lm_split,
     load_digits_split,
 )
-from tests.bench.helpers import psgd_quality
 
 HAS_KFAC = OPTIMIZERS["kfac"].available()
 
@@ -278,7 +277,7 @@ def test_char_lm_transformer_starts_uniform_is_causal_and_learns():
     ("text", "shape"), [("256x4", (256, 4)), (" 8x1", (8, 1)), ("64x2", (64, 2))]
 )
 def test_transformer_shape_builds_that_char_lm(text, shape):
-    """``--model WIDTHxLAYERS`` (benchmarks/psgd_quality.py, update_cost.py) gives
+    """``WIDTHxLAYERS`` (``precond.bench.arguments.transformer_shape``) gives
     a transformer of that width and depth that starts near the uniform loss."""
     import jax
 
@@ -440,128 +439,6 @@ def test_run_from_json_inverts_write_json(tmp_path):
     assert math.isnan(back.minibatch_loss[1])
     write_json([back.to_dict()], str(tmp_path / "again.json"))
     assert (tmp_path / "again.json").read_text() == (tmp_path / "runs.json").read_text()
-
-
-def test_psgd_quality_merge_reports_the_union_of_recorded_runs(tmp_path):
-    """``--merge``: runs recorded by separate invocations (seeds 0 and 1–2)
-    summarise as the runs of one would; a run recorded twice is refused."""
-    quality = psgd_quality()
-    runs = [
-        _run(name, lr, seed, [3.0, 2.0, end + 0.1 * seed])
-        for name, lr, end in [("adamw", 1e-3, 1.5), ("pro", 2e-3, 1.0)]
-        for seed in range(3)
-    ]
-    first, rest = tmp_path / "seed0.json", tmp_path / "seeds12.json"
-    write_json([r.to_dict() for r in runs if r.seed == 0], str(first))
-    write_json([r.to_dict() for r in runs if r.seed > 0], str(rest))
-    merged = quality.recorded([str(first), str(rest)])
-    assert list(merged) == [20]  # by step budget
-    assert summarize(merged[20]) == summarize(runs)
-    _, sections = quality.budget_sections("h", merged[20])
-    _, direct = quality.budget_sections("h", runs)
-    assert sections == direct
-    with pytest.raises(SystemExit, match=r"is in .*seed0\.json and .*seed0\.json"):
-        quality.recorded([str(first), str(first)])
-
-
-def test_psgd_quality_dk2_variant_is_the_control_of_its_pro_variant():
-    """``dk2-pro:b1=0.8`` hands b1 to distributed-kron 2.0's pro: its steps equal
-    ``pro:b1=0.8``'s to float32 rounding (the same draws), and differ from
-    ``dk2-pro``'s at its default b1 = 0.95 (the argument reaches it)."""
-    import jax
-    import jax.flatten_util
-    import jax.numpy as jnp
-
-    from tests.jax.helpers import params_after
-
-    quality = psgd_quality()
-    names = ["pro:b1=0.8", "dk2-pro:b1=0.8", "dk2-pro"]
-    specs = quality._specs(names)
-    assert [s.name for s in specs] == names
-    key = jax.random.key(0)
-    params = [{"w": jax.random.normal(key, (6, 5)), "b": jnp.zeros(5)}]  # a list node
-    grads = [
-        jax.tree.map(lambda x, i=i: jnp.sin(x + i) + 0.1, params) for i in range(3)
-    ]
-
-    flat = [
-        jax.flatten_util.ravel_pytree(params_after(s.make(3e-3, 1e-4), params, grads))
-        for s in specs
-    ]
-    ours, control, default = (np.asarray(vector) for vector, _ in flat)
-    np.testing.assert_allclose(control, ours, rtol=1e-5, atol=1e-7)
-    assert np.max(np.abs(default - ours)) > 1e-4
-    with pytest.raises(SystemExit, match="is not of the form"):
-        quality._specs(["dk2-pro:b1"])
-
-
-def test_psgd_quality_variants_reach_the_optimizers_they_name():
-    """``pro:weight_decay=X`` and the controls ``adamw:weight_decay=X`` and
-    ``muon:weight_decay=X`` replace the bench's decay; ``pro:adam_part=R`` is
-    pro on the weights the workload's rule marks hidden and AdamW at R on the
-    rest, each as if it ran alone."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import precond.jax as pj
-    from precond.bench.optimizers import OPTIMIZERS
-    from tests.jax.helpers import params_after
-
-    quality = psgd_quality()
-    key = jax.random.key(0)
-    params = {"w": jax.random.normal(key, (6, 5)), "b": jnp.ones(5)}
-    grads = [
-        jax.tree.map(lambda x, i=i: jnp.sin(x + i) + 0.1, params) for i in range(3)
-    ]
-
-    def after(optimizer, keys=("w", "b")):
-        """The parameters named by ``keys`` after the three steps on them alone."""
-        start = {k: params[k] for k in keys}
-        return params_after(optimizer, start, [{k: g[k] for k in keys} for g in grads])
-
-    names = ["pro:weight_decay=0.1", "adamw:weight_decay=0.1", "muon:weight_decay=0.1"]
-    pro_decay, adamw_decay, muon_decay, hybrid = quality._specs(
-        [*names, "pro:adam_part=0.01"]
-    )
-    assert [s.partitioned for s in (pro_decay, adamw_decay, hybrid)] == [0, 0, 1]
-    hidden = {"hidden_matrices": lambda p: {"w": True, "b": False}}
-    muon_parts = {**hidden, "adam_learning_rate": 0.01}
-    for spec, alone, parts in [
-        (pro_decay, pj.pro(3e-3, weight_decay=0.1), {}),
-        (adamw_decay, optax.adamw(3e-3, weight_decay=0.1), {}),
-        (muon_decay, OPTIMIZERS["muon"].make(3e-3, 0.1, **muon_parts), muon_parts),
-    ]:
-        got = after(spec.make(3e-3, 1e-4, **parts))
-        jax.tree.map(np.testing.assert_array_equal, got, after(alone))
-    got = after(hybrid.make(3e-3, 1e-4, **hidden))
-    w = after(pj.pro(3e-3, weight_decay=1e-4), ["w"])["w"]
-    b = after(optax.adamw(0.01, weight_decay=1e-4), ["b"])["b"]
-    np.testing.assert_allclose(got["w"], w, rtol=1e-6)
-    np.testing.assert_allclose(got["b"], b, rtol=1e-6)
-    with pytest.raises(SystemExit, match="only weight_decay can be set on 'adamw'"):
-        quality._specs(["adamw:b1=0.8"])
-
-
-def test_psgd_quality_per_seed_table_shows_every_seed_against_the_mean_target():
-    """AdamW ends at 1.5 and 1.6 (mean 1.55): its second seed never reaches the
-    mean; each other seed is where its own curve crosses 1.55 and stays."""
-    quality = psgd_quality()
-    runs = [
-        _run("adamw", 1e-3, 0, [3.0, 2.0, 1.5]),
-        _run("adamw", 1e-3, 1, [3.0, 2.0, 1.6]),
-        _run("pro", 2e-3, 0, [3.0, 1.0, 1.0]),
-        _run("pro", 2e-3, 1, [3.0, 2.0, 1.2]),
-        _run("pro", 4e-3, 0, [3.0, 2.0, 9.0]),  # the worse rate: not shown
-        _run("pro", 4e-3, 1, [3.0, 2.0, 9.0]),
-    ]
-    rows = quality.per_seed_to_targets(runs).splitlines()[4:]
-    assert rows == [
-        "| adamw | 0 | 19, 0.2 s | 19, 0.2 s |",  # 2.0 → 1.5 crosses 1.55 at 19
-        "| adamw | 1 | not reached | not reached |",
-        "| pro | 0 | 7, 0.1 s | 7, 0.1 s |",  # 3.0 → 1.0: at 7.25
-        "| pro | 1 | 16, 0.2 s | 16, 0.2 s |",  # 2.0 → 1.2: at 15.6
-    ]
 
 
 def test_summary_selects_rates_and_compares_with_adamw():

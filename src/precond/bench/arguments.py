@@ -1,4 +1,4 @@
-"""argparse types shared by ``precond bench`` and the scripts in ``benchmarks/``.
+"""argparse types shared by ``precond bench`` and the speed harness in ``benchmarks/``.
 
 Each raises ``argparse.ArgumentTypeError`` with a message naming the bad value, so
 argparse reports it as a one-line usage error.

@@ -1,6 +1,6 @@
 """Communication of a compiled SPMD program, read from its optimized HLO text.
 
-Used by the sharding tests and ``benchmarks/kron_sharded.py``. The figure is the
+Used by the sharding tests and ``benchmarks/memory.py``. The figure is the
 bytes one device receives per call, which does not depend on how XLA splits a
 collective into steps (an all-gather over two mesh axes may run as two):
 

@@ -229,8 +229,7 @@ def init_char_lm(
     """A decoder-only transformer: byte and position embeddings, ``layers``
     pre-norm blocks of width ``d_model`` (causal multi-head self-attention, then
     a GELU MLP), a final layer norm and an untied output head (the bench's
-    char-lm: ``CHAR_LM_D_MODEL`` and ``CHAR_LM_LAYERS``; other sizes for
-    benchmarks/update_cost.py).
+    char-lm: ``CHAR_LM_D_MODEL`` and ``CHAR_LM_LAYERS``; other sizes on request).
 
     Matrices are N(0, 1/fan_in), block output projections also scaled by
     1/√(2·layers); embeddings N(0, 1), layer-norm scales 1, biases 0, and the head

@@ -424,17 +424,27 @@ def results_table(
     return header + "\n\n" + _markdown_table(headers, cells) + "\n"
 
 
-def replace_results_block(text: str, table: str, name: str = "the file") -> str:
-    """``text`` with what lies between :data:`RESULTS_BEGIN` and
-    :data:`RESULTS_END` replaced by ``table``; ValueError naming ``name`` when the
-    markers are missing or out of order."""
-    begin, end = text.find(RESULTS_BEGIN), text.find(RESULTS_END)
+def block_markers(block: str = "bench-results") -> tuple[str, str]:
+    """The lines that open and close the generated block ``block`` of a Markdown
+    file: ``<!-- block:begin -->`` and ``<!-- block:end -->``."""
+    return f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
+
+
+def replace_results_block(
+    text: str, table: str, name: str = "the file", block: str = "bench-results"
+) -> str:
+    """``text`` with what lies between the markers of ``block``
+    (:func:`block_markers`; by default :data:`RESULTS_BEGIN` and
+    :data:`RESULTS_END`) replaced by ``table``; ValueError naming ``name`` when
+    the markers are missing or out of order."""
+    opening, closing = block_markers(block)
+    begin, end = text.find(opening), text.find(closing)
     if begin < 0 or end < begin:
         raise ValueError(
-            f"{name} has no results block: put the lines {RESULTS_BEGIN} and "
-            f"{RESULTS_END} where the table goes"
+            f"{name} has no results block: put the lines {opening} and "
+            f"{closing} where the table goes"
         )
-    start = begin + len(RESULTS_BEGIN)
+    start = begin + len(opening)
     return text[:start] + "\n" + table + text[end:]
 
 
