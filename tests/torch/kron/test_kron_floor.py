@@ -9,7 +9,7 @@ import pytest
 import torch
 from benchmarks import _torch_kron_floor as floor
 
-from precond.torch import _kron_math as km
+from precond.torch._core import factor_kernels as km
 
 STACK = 3
 CASES = [
