@@ -1,18 +1,66 @@
-"""The step policy of precond's torch optimizers: generators seeded from
-integers (the same draws on every rank and in every resumed run), and the
-decision to skip a step whose gradients are unusable (NaN, ±Inf, or so large
-that their squared norm overflows), with the per-entry check of a fit."""
+"""The step policy of precond's torch optimizers: the step count and the
+schedule of the factor fits (the same state keys in every optimizer), generators
+seeded from integers (the same draws on every rank and in every resumed run),
+and the decision to skip a step whose gradients are unusable (NaN, ±Inf, or so
+large that their squared norm overflows), with the per-entry check of a fit."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
+import numpy as np
 import torch
 
 from precond.torch._core.dtensor import local_value
 from precond.torch._core.tensors import as_dtype, scalar, working_dtype
+
+# Keys of self.state[p] that the policy keeps: the 1-based count of steps taken
+# and the steps since the last factor fit (ints, saved in state dicts).
+STEP, UPDATE_COUNTER = "step", "update_counter"
+
+
+def count_step(states: list[dict[str, Any]]) -> int:
+    """Counts a step in each of ``states`` (states stepped together share their
+    count); returns the new 1-based step n of the first."""
+    for state in states:
+        state[STEP] += 1
+    return states[0][STEP]
+
+
+def probability_at(probability: float | Callable[[int], float], step: int) -> float:
+    """An update probability at the 1-based ``step``: a number as is, a
+    function of the step called."""
+    if callable(probability):
+        return probability(step)
+    return probability
+
+
+def fit_due(
+    states: list[dict[str, Any]],
+    probability: float | None = None,
+    *,
+    drawn: bool | None = None,
+    first_step: bool = False,
+) -> bool:
+    """Counts the steps since the last fit in each of ``states``; whether the
+    factors are fitted this step: once 1/p steps have passed (p =
+    ``probability``, in float32 as both frameworks compare it), or as a draw
+    made elsewhere decided (``drawn``: Kron's ``seed=None``), and on the first
+    step with ``first_step``. A due fit resets the count."""
+    for state in states:
+        state[UPDATE_COUNTER] += 1
+    if drawn is not None:
+        due = drawn
+    else:
+        due = (first_step and states[0][STEP] == 1) or states[0][
+            UPDATE_COUNTER
+        ] >= 1.0 / np.float32(probability)
+    if due:
+        for state in states:
+            state[UPDATE_COUNTER] = 0
+    return bool(due)
 
 
 def seeded_generator(device: torch.device, *integers: int) -> torch.Generator:

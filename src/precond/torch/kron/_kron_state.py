@@ -16,10 +16,12 @@ from precond._common.factor_plan import plan_diagonal_axes
 from precond._common.kron_constants import GENERATION_1_STYLE, stored_cache
 from precond._common.kron_plan import merge_planned_axes
 from precond.torch._core import factor_kernels as km
+from precond.torch._core.step_policy import STEP, UPDATE_COUNTER
 from precond.torch._core.tensors import as_dtype, working_dtype
 
-# Keys of self.state[p].
-STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
+# Keys of self.state[p]: the step policy's (precond.torch._core.step_policy), and
+# Kron's own.
+MOMENTUM, FACTORS = "momentum", "Q"
 LIPSCHITZ = "lipschitz"  # generation-2 styles: per axis, a float32 scalar
 
 

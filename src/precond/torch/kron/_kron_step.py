@@ -8,19 +8,17 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from precond._common.kron_constants import MAX_UPDATE_RMS
 from precond.torch._core import factor_kernels as km
 from precond.torch._core.dtensor import full_value, local_part, local_value
-from precond.torch._core.step_policy import finite_entries
+from precond.torch._core.step_policy import count_step, finite_entries, fit_due
 from precond.torch._core.tensors import as_dtype, as_shape, scalar
 from precond.torch.kron._kron_state import (
     LIPSCHITZ,
     MOMENTUM,
     STEP,
-    UPDATE_COUNTER,
     cache_layout,
     gram_of,
 )
@@ -54,8 +52,7 @@ def momentum_step(
     0.1.0), m ← m̂."""
     group = bucket[0][0]
     b1 = group["b1"]
-    for state in states:
-        state[STEP] += 1
+    count_step(states)
     # Each state's momentum is its entry's view of ``momenta``: one fused
     # call updates the stack without first copying the gradients into one.
     grads = [
@@ -75,20 +72,12 @@ def momentum_step(
 
 
 def update_due(bucket, states, draws: dict | None) -> bool:
-    """Counts the steps since the last fit; whether the factors are fitted this
-    step: once 1/p(n) steps have passed (a seed), or by ``seed=None``'s draw. A
-    due fit resets the count."""
-    for state in states:
-        state[UPDATE_COUNTER] += 1
-    if draws is None:
-        probability = scheduled_probability(bucket[0][0], states[0][STEP])
-        update = states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
-    else:
-        update = draws[bucket[0][2]][0]
-    if update:
-        for state in states:
-            state[UPDATE_COUNTER] = 0
-    return bool(update)
+    """Whether the factors are fitted this step (the step policy's
+    :func:`fit_due`): once 1/p(n) steps have passed (a seed), or by
+    ``seed=None``'s draw."""
+    if draws is not None:
+        return fit_due(states, drawn=draws[bucket[0][2]][0])
+    return fit_due(states, scheduled_probability(bucket[0][0], states[0][STEP]))
 
 
 def fit_gen2(group, states, factors, target, noise, mu_hat):

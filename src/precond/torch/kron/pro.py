@@ -19,7 +19,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from precond._common.kron_constants import MAX_UPDATE_RMS
@@ -40,7 +39,15 @@ from precond.torch._core.dtensor import (
     local_value,
 )
 from precond.torch._core.profiling import profiled_stage
-from precond.torch._core.step_policy import finite_entries, seeded_generator
+from precond.torch._core.step_policy import (
+    STEP,
+    UPDATE_COUNTER,
+    count_step,
+    finite_entries,
+    fit_due,
+    probability_at,
+    seeded_generator,
+)
 from precond.torch._core.tensors import scalar
 
 __all__ = ["Pro"]
@@ -55,7 +62,8 @@ def _check_gradient(p: torch.Tensor) -> None:
 # Keys of self.state[p]. FACTORS and LIPSCHITZ hold, per block region of the
 # parameter (ordered by the region's offset), a list with one tensor per side:
 # (blocks, d, d) or (blocks, d) factors, (blocks,) float32 Lipschitz estimates.
-STEP, UPDATE_COUNTER, MOMENTUM = "step", "update_counter", "momentum"
+# STEP and UPDATE_COUNTER are the step policy's (precond.torch._core.step_policy).
+MOMENTUM = "momentum"
 FACTORS, LIPSCHITZ = "factors", "lipschitz"
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -450,9 +458,8 @@ def _momentum_step(
     ``normalize_grads``."""
     group = bucket[0][0]
     dtype, b1 = group["dtype"], group["b1"]
-    for state in states:
-        state[STEP] += 1
-    correction = 1 - torch.tensor(b1, dtype=torch.float32) ** states[0][STEP]
+    step = count_step(states)
+    correction = 1 - torch.tensor(b1, dtype=torch.float32) ** step
     momenta = []
     for (_, _, index), state in zip(bucket, states, strict=True):
         mu = b1 * state[MOMENTUM].float() + (1 - b1) * grads[index].float()
@@ -465,22 +472,12 @@ def _momentum_step(
 
 
 def _fit_due(group: dict[str, Any], states: list) -> bool:
-    """Counts the steps since the last fit; whether the factors are fitted this
-    step (the first, then once 1/p(n) steps have passed). A due fit resets the
-    count."""
-    for state in states:
-        state[UPDATE_COUNTER] += 1
-    step = states[0][STEP]
-    probability: float | Callable[[int], float] = group[
-        "preconditioner_update_probability"
-    ]
-    if callable(probability):
-        probability = probability(step)
-    due = step == 1 or states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
-    if due:
-        for state in states:
-            state[UPDATE_COUNTER] = 0
-    return bool(due)
+    """Whether the factors are fitted this step (the step policy's
+    :func:`fit_due`): the first, then once 1/p(n) steps have passed."""
+    probability = probability_at(
+        group["preconditioner_update_probability"], states[0][STEP]
+    )
+    return fit_due(states, probability, first_step=True)
 
 
 def _apply_updates(bucket: list, updates: list[torch.Tensor]) -> None:

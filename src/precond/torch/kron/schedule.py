@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from precond._common.schedules import check_update_prob_schedule
+from precond.torch._core.step_policy import probability_at
 
 __all__ = ["precond_update_prob_schedule"]
 
@@ -65,6 +66,4 @@ def scheduled_probability(group: dict[str, Any], step: int) -> float:
     ]
     if probability is None:
         probability = _DEFAULT_SCHEDULE
-    if callable(probability):
-        probability = probability(step)
-    return probability
+    return probability_at(probability, step)
