@@ -134,9 +134,10 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
         ),
     ]
     try:
-        import precond.torch.kron as torch_kron
-        import precond.torch.pro as torch_pro
-        import precond.torch.pro_adamw as torch_pro_adamw
+        import precond.torch.kron._kron_arguments as torch_kron
+        import precond.torch.kron.kron as torch_kron_optimizer
+        import precond.torch.kron.pro as torch_pro
+        import precond.torch.kron.pro_adamw as torch_pro_adamw
         from precond.torch.kfac import preconditioner as kfac
     except ModuleNotFoundError:  # no torch: the JAX tables only
         return entries
@@ -144,7 +145,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
         *entries,
         (
             "precond.torch.Kron",
-            torch_kron.Kron,
+            torch_kron_optimizer.Kron,
             dict(torch_kron.GROUP_ARGUMENTS + torch_kron.OPTIMIZER_ARGUMENTS),
             ("params",),
         ),

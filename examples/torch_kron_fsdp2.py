@@ -4,7 +4,7 @@ Every layer and the root are ``fully_shard``-ed on a 1-D device mesh, so each
 parameter is a DTensor sharded on dim 0 (the 100-wide layers do not divide 3 or
 more ranks evenly; FSDP2 chunks them as ``torch.chunk``). Kron gathers each whole
 gradient, fits its factors on the whole tensor and applies the matching slice of
-the update to the local shard (``precond.torch._dtensor``); with ``--strategy
+the update to the local shard (``precond.torch._core.dtensor``); with ``--strategy
 sharded`` (``ShardedPreconditioning``) each rank fits only its share of the
 parameters and keeps only their state, and one all-gather shares the updates.
 Run it on CPUs (gloo) or GPUs (nccl, rank r on ``cuda:LOCAL_RANK``)::

@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 jnp = jax.numpy
 
 from precond.jax import _kron_math as jkm  # noqa: E402
-from precond.torch import _kron_math as tkm  # noqa: E402
+from precond.torch._core import factor_kernels as tkm  # noqa: E402
 
 # Frameworks and references differ only by float64 rounding of O(1) quantities.
 RTOL = 1e-12

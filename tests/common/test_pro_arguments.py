@@ -89,7 +89,7 @@ def test_both_frameworks_run_the_shared_checks():
     except ModuleNotFoundError:
         pass
     try:
-        from precond.torch.pro import GROUP_ARGUMENTS
+        from precond.torch.kron.pro import GROUP_ARGUMENTS
 
         tables["torch"] = dict(GROUP_ARGUMENTS)
     except ModuleNotFoundError:

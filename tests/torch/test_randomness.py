@@ -1,6 +1,6 @@
 """Kron's and Pro's random draws are a function of (seed, step, index) alone.
 
-Their generators are seeded by ``precond.torch._optimizer.seeded_generator``:
+Their generators are seeded by ``precond.torch._core.step_policy.seeded_generator``:
 BLAKE2b of the integers' decimal text, not Python's ``hash`` (whose value for a
 tuple changes between Python versions and builds). The seeds and the draws are
 pinned here to literal values computed once: a change of Python, platform or of
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from precond.torch import Kron, Pro
-from precond.torch._optimizer import seeded_generator
-from precond.torch.kron import balance_draw, unit_noise
+from precond.torch._core.step_policy import seeded_generator
+from precond.torch.kron._kron_randomness import balance_draw, unit_noise
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,7 @@ Properties, each against an oracle:
   target by L = mean|θ − t|²): the state stays finite after every step and L
   falls, or the optimizer refuses the parameter at construction with a clear
   error. K-FAC preconditions Linear/Conv2d layers, not bare parameters: it has
-  no shape rows here (its empty and size-1 layers: tests/torch/test_kfac.py);
+  no shape rows here (its empty and size-1 layers: tests/torch/kfac/test_kfac.py);
   nor has ProAdamW (its bare parameters are Pro's or AdamW's: the JAX table
   runs pro_adamw's, tests/jax/test_robustness.py).
 
@@ -199,7 +199,7 @@ CASES = {
 def _params():
     """Every (optimizer, case), except the shape cases for K-FAC (it
     preconditions Linear/Conv2d layers, not bare tensors: its empty and size-1
-    layers are in tests/torch/test_kfac.py) and ProAdamW."""
+    layers are in tests/torch/kfac/test_kfac.py) and ProAdamW."""
     return [
         pytest.param(name, case, id=f"{name}-{case}")
         for case in CASES

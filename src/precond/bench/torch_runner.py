@@ -17,7 +17,7 @@ from precond.bench.optimizers import DEFAULT_WEIGHT_DECAY, OptimizerSpec
 from precond.bench.runner import RunConfig, RunResult, result_from_loop, training_loop
 from precond.bench.torch_models import build_model
 from precond.bench.workloads import Workload
-from precond.torch.kron import gradients_are_usable
+from precond.torch._core.step_policy import gradients_are_usable
 
 # Rows per chunk when scoring a whole split.
 EVAL_CHUNK = 512

@@ -4,14 +4,20 @@
 schedule, ``Pro`` (the PSGD 'pro' recipe of ``precond.jax.pro``), ``ProAdamW``
 (Pro on the hidden weight matrices and AdamW on the rest, as
 ``precond.jax.pro_adamw``), and the strategies that spread Kron's work over
-``torch.distributed`` ranks.
-K-FAC (KAISA) lives in :mod:`precond.torch.kfac`.
+``torch.distributed`` ranks: :mod:`precond.torch.kron`.
+K-FAC (KAISA) lives in :mod:`precond.torch.kfac`; the engine they share, in
+``precond.torch._core``.
 """
 
-from precond.torch.kron import Kron, precond_update_prob_schedule
-from precond.torch.pro import Pro
-from precond.torch.pro_adamw import ProAdamW
-from precond.torch.strategies import Replicated, ShardedPreconditioning, Strategy
+from precond.torch.kron import (
+    Kron,
+    Pro,
+    ProAdamW,
+    Replicated,
+    ShardedPreconditioning,
+    Strategy,
+    precond_update_prob_schedule,
+)
 
 __all__ = [
     "Kron",

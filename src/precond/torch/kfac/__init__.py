@@ -1,9 +1,6 @@
-"""K-FAC for PyTorch with KAISA's distribution strategies.
-
-``from precond.torch.kfac import KFAC, DistributedStrategy`` replaces
-``from kfac import KFAC, DistributedStrategy`` (KAISA's argument names, meanings
-and defaults). See :mod:`precond.torch.kfac.preconditioner`.
-"""
+"""K-FAC for PyTorch with KAISA's distribution strategies: ``from precond.torch.kfac
+import KFAC`` replaces ``from kfac import KFAC`` (KAISA's arguments), from the
+layers' hooks and the worker grid to the second-order work and checkpoints."""
 
 from precond.torch.kfac.assignment import LayerWork, WorkerGrid, assign_layers
 from precond.torch.kfac.preconditioner import (

@@ -28,6 +28,11 @@ __all__ = ["LayerWork", "WorkerGrid", "assign_layers"]
 class WorkerGrid:
     """The ``grad_workers × columns`` grid of ``world_size`` ranks (row-major).
 
+    Args:
+        world_size: the number of ranks (>= 1).
+        grad_workers: the ranks that precondition each layer's gradient, one
+            column of the grid; must divide ``world_size``.
+
     Example:
         >>> WorkerGrid(world_size=4, grad_workers=2).column_ranks(1)
         [1, 3]
@@ -67,7 +72,13 @@ class WorkerGrid:
 
 @dataclass(frozen=True)
 class LayerWork:
-    """Where one layer's work happens: its column and its factors' inverse workers."""
+    """Where one layer's work happens: its column and its factors' inverse workers.
+
+    Args:
+        column: the grid column whose ranks precondition the layer's gradient.
+        a_worker: the rank that decomposes (or inverts) the layer's factor A.
+        g_worker: the rank that decomposes (or inverts) the layer's factor G.
+    """
 
     column: int
     a_worker: int
@@ -86,6 +97,15 @@ def assign_layers(
     to the column with the least summed load, then its factors to the least-loaded
     rank of that column: both to one rank with ``colocate_factors``, else the
     costlier factor first and the other to the then least-loaded rank.
+
+    Args:
+        costs: each layer's name → the costs of its (A, G) factors, in the
+            order of registration.
+        grid: the worker grid the layers are placed on.
+        colocate_factors: put a layer's two factors on the same rank.
+
+    Returns:
+        Each layer's :class:`LayerWork`, by name.
 
     Example, three layers' (A, G) costs on two ranks of one worker each:
         >>> work = assign_layers(

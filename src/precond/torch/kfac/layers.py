@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precond.torch._dtensor import full_gradients, local_part, local_value
+from precond.torch._core.dtensor import full_gradients, local_part, local_value
 
 __all__ = [
     "KFACLayer",
@@ -141,7 +141,7 @@ class KFACLayer:
     the (out, in [+1]) matrix ∇ = [∇W_flat | ∇b] that A and G act on. For DTensor
     parameters (FSDP2's ``fully_shard``) ∇ is gathered whole (G⁻¹∇A⁻¹ mixes all
     its rows) and each rank writes back its shard's rows
-    (:mod:`precond.torch._dtensor`).
+    (:mod:`precond.torch._core.dtensor`).
     """
 
     def __init__(self, name: str, module: nn.Linear | nn.Conv2d):

@@ -47,8 +47,6 @@ rank's shard back into ``.grad``, so every step equals one process's.
 from __future__ import annotations
 
 import logging
-import math
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -57,9 +55,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from precond.torch._dtensor import dtensors_supported, looks_like_dtensor
-from precond.torch._optimizer import eager_step
-from precond.torch._profiling import profiled_stage
+from precond.torch._core.optimizer import eager_step
+from precond.torch._core.profiling import profiled_stage
 from precond.torch.kfac.arguments import (
     _ARGUMENT_CHECKS as _ARGUMENT_CHECKS,  # re-exported: docs/make_arguments.py
 )
@@ -80,18 +77,10 @@ from precond.torch.kfac.communication import Communicator
 from precond.torch.kfac.layers import (
     KFACLayer,
     input_covariance,
-    is_trained_grouped_convolution,
-    module_class,
     output_grad_covariance,
-    unsupported_reason,
 )
-from precond.torch.kfac.second_order import (
-    damped_inverse,
-    eigen_decomposition,
-    kl_clip_scale,
-    precondition_eigen,
-    precondition_inverse,
-)
+from precond.torch.kfac.registration import register_layers
+from precond.torch.kfac.second_order_work import SecondOrderWork
 
 __all__ = [
     "KFAC",
@@ -115,58 +104,6 @@ _GROUP_HYPERPARAMETERS = (
 )
 
 
-def _matches(patterns: Sequence[str], name: str, module: nn.Module) -> bool:
-    """Whether a pattern matches the module's name or class name in full, ignoring
-    case (KAISA compares lower-cased names)."""
-    return any(
-        re.fullmatch(p, name, re.IGNORECASE)
-        or re.fullmatch(p, module_class(module).__name__, re.IGNORECASE)
-        for p in patterns
-    )
-
-
-def _check_modules(modules: dict[str, nn.Module], names: Sequence[str] | None):
-    """Refuses FSDP1 (and DTensors where torch is too old for them), and
-    ``layers`` names that are not modules or not supported ones."""
-    for module in modules.values():
-        weight = getattr(module, "weight", None)
-        if type(module).__name__ == "FullyShardedDataParallel" or (
-            isinstance(weight, torch.Tensor)
-            and looks_like_dtensor(weight)
-            and not dtensors_supported()
-        ):
-            raise NotImplementedError(
-                "precond.torch.kfac.KFAC supports FSDP2 (fully_shard, DTensor "
-                "parameters, torch >= 2.6) but not FSDP1 "
-                "(FullyShardedDataParallel): use fully_shard, or wrap the "
-                "model in DistributedDataParallel"
-            )
-    if names is None:
-        return
-    unknown = [n for n in names if n not in modules]
-    if unknown:
-        raise ValueError(f"Invalid layers: {unknown} are not modules of model")
-    for n in names:
-        reason = unsupported_reason(modules[n])
-        if reason is not None:
-            raise ValueError(f"Invalid layers: cannot register {n!r}: {reason}")
-
-
-def _log_unregistered(model: nn.Module, registered: list, grouped: list[str]) -> None:
-    """Once per model: an INFO line naming the grouped convolutions left with
-    their plain gradients (``grouped``), a WARNING if no layer was registered."""
-    if grouped:
-        logger.info(
-            "K-FAC does not precondition %d grouped convolution(s) of %s, whose "
-            "gradients stay as they are: %s",
-            len(grouped),
-            type(model).__name__,
-            ", ".join(grouped),
-        )
-    if not registered:
-        logger.warning("K-FAC registered no layers of %s", type(model).__name__)
-
-
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -181,7 +118,7 @@ def _scheduled(name: str, convert: Callable[[Any], Any]) -> property:
     return property(value, doc=f"``{name}`` at the current step.")
 
 
-class KFAC(Checkpointing, torch.optim.Optimizer):
+class KFAC(Checkpointing, SecondOrderWork, torch.optim.Optimizer):
     """K-FAC gradient preconditioner with KAISA's distribution strategies.
 
     A ``torch.optim.Optimizer`` as KAISA's ``KFAC`` is: ``param_groups[0]`` holds
@@ -192,10 +129,14 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
     Its one parameter is a placeholder scalar: ``step()`` changes the ``.grad`` of
     the model's registered layers, not parameters of its own.
 
-    Args (KAISA 0.4's names, positional order, meanings and defaults; those marked
-    "schedulable" may also be a callable: with no arguments it is called as is,
-    KAISA 0.4's way, and with one required argument it gets the step count, the
-    way of KAISA's later ``KFACPreconditioner``):
+    The arguments up to ``verbose`` are KAISA 0.4's (names, positional order,
+    meanings and defaults); those marked "schedulable" may also be a callable:
+    with no arguments it is called as is, KAISA 0.4's way, and with one required
+    argument it gets the step count, the way of KAISA's later
+    ``KFACPreconditioner``. The keyword-only ones after it come from that later
+    ``KFACPreconditioner`` and from precond.
+
+    Args:
         model: the module whose ``nn.Linear`` and ``nn.Conv2d`` layers (exact types;
             grouped convolutions excepted, named in one INFO line on the
             ``precond.torch.kfac`` logger) are registered, walking it recursively.
@@ -233,13 +174,11 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             always computed in the hooks and folded in by ``step()``.
         verbose: log the registration and assignment lines at ``logging.INFO``
             (at least) on the ``precond.torch.kfac`` logger.
-
-    Keyword-only, from KAISA's later ``KFACPreconditioner`` and precond:
         loglevel: level of the registration and assignment log lines.
-        layers: precond extension: names of the modules to register (default:
-            every supported one). A named module that is not supported is an error.
-        world_size_invariant: True (precond): the hooks use the output gradient of
-            the global (rank-averaged) loss, g/world_size, so the factors, and
+        layers: precond's: names of the modules to register (default: every
+            supported one). A named module that is not supported is an error.
+        world_size_invariant: precond's. True: the hooks use the output gradient
+            of the global (rank-averaged) loss, g/world_size, so the factors, and
             what a given damping means, do not change with the number of ranks.
             False: KAISA's factors, whose G is world_size² times larger under data
             parallelism (the same in one process).
@@ -300,7 +239,7 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
         self.colocate_factors = colocate_under_mem_opt(
             self.colocate_factors, grad_worker_fraction, self.grid.world_size
         )
-        self.layers = self._register(model, layers)
+        self.layers = register_layers(model, layers, self.skip_layers, self.loglevel)
         self._assign_work()
         self._ready: dict[str, bool] = {l.name: False for l in self.layers}
         self._hooks = [
@@ -370,41 +309,6 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
             self.communicator.new_group(self.grid.row_ranks(r))
             for r in range(self.grid.grad_workers)
         ]
-
-    # -- registration --
-    def _register(self, model: nn.Module, names: Sequence[str] | None):
-        modules = dict(model.named_modules())
-        _check_modules(modules, names)
-        skipped_prefixes: list[str] = []
-        registered, grouped = [], []
-        for name, module in modules.items():
-            if any(name.startswith(p) for p in skipped_prefixes):
-                continue
-            if self.skip_layers and _matches(self.skip_layers, name, module):
-                skipped_prefixes.append(name + "." if name else "")
-                logger.log(self.loglevel, "K-FAC skips %r (skip_layers)", name)
-                continue
-            if names is not None and name not in names:
-                continue
-            has_params = any(True for _ in module.parameters(recurse=False))
-            if not has_params:
-                continue
-            reason = unsupported_reason(module)
-            if reason is not None:
-                logger.log(self.loglevel, "K-FAC skips %r: %s", name, reason)
-                if is_trained_grouped_convolution(module):
-                    grouped.append(f"{name!r} (groups={module.groups})")
-                continue
-            assert isinstance(module, nn.Linear | nn.Conv2d)  # all it admits
-            if module.weight.numel() == 0:
-                # nn.Linear(n, 0), nn.Linear(0, n), a 0-channel Conv2d: no weights
-                # to precondition (a bias alone keeps its plain gradient).
-                logger.log(self.loglevel, "K-FAC skips %r: its weight is empty", name)
-                continue
-            registered.append(KFACLayer(name, module))
-            logger.log(self.loglevel, "K-FAC registers %r", registered[-1])
-        _log_unregistered(model, registered, grouped)
-        return registered
 
     def remove_hooks(self) -> None:
         """Detaches K-FAC from the model."""
@@ -595,167 +499,6 @@ class KFAC(Checkpointing, torch.optim.Optimizer):
                 "its factor contributions are averaged over the passes seen",
                 stacklevel=3,
             )
-
-    # -- second-order data --
-    def _second_order_layout(self, layer: KFACLayer) -> list[tuple[str, str, tuple]]:
-        """(key, factor it comes from, shape) of each second-order tensor."""
-        a, g = layer.a_dim, layer.g_dim
-        if self.compute_method is ComputeMethod.INVERSE:
-            return [("a_inv", "A", (a, a)), ("g_inv", "G", (g, g))]
-        if self.compute_eigenvalue_outer_product:
-            return [("q_a", "A", (a, a)), ("q_g", "G", (g, g)), ("prediv", "A", (g, a))]
-        return [
-            ("q_a", "A", (a, a)),
-            ("d_a", "A", (a,)),
-            ("q_g", "G", (g, g)),
-            ("d_g", "G", (g,)),
-        ]
-
-    def _compute_second_order(self, layer: KFACLayer, work: LayerWork) -> None:
-        rank, damping, dtype = self.communicator.rank, self.damping, self.inv_dtype
-        A, G = layer.A, layer.G
-        # Called for layers with both factors only.
-        assert A is not None
-        assert G is not None
-        out = layer.second_order
-        if self.compute_method is ComputeMethod.INVERSE:
-            if rank == work.a_worker:
-                out["a_inv"] = damped_inverse(A, damping, dtype)
-            if rank == work.g_worker:
-                out["g_inv"] = damped_inverse(G, damping, dtype)
-            return
-        if rank == work.a_worker:
-            d_a, out["q_a"] = eigen_decomposition(A, dtype)
-        if rank == work.g_worker:
-            d_g, out["q_g"] = eigen_decomposition(G, dtype)
-        if self.compute_eigenvalue_outer_product:
-            if rank == work.a_worker:  # == g_worker (colocated)
-                out["prediv"] = 1.0 / (torch.outer(d_g, d_a) + damping)
-        else:
-            if rank == work.a_worker:
-                out["d_a"] = d_a
-            if rank == work.g_worker:
-                out["d_g"] = d_g
-
-    def _update_second_order(self) -> None:
-        """Decompose on the inverse workers; broadcast down each layer's column."""
-        comm, grid = self.communicator, self.grid
-        my_column = grid.column_of(comm.rank)
-        for layer in self.layers:
-            has_factors = layer.A is not None and layer.G is not None
-            self._ready[layer.name] = has_factors
-            work = self.assignment[layer.name]
-            if has_factors and work.column == my_column:
-                self._compute_second_order(layer, work)
-        if grid.grad_workers == 1:
-            return
-        group = self._column_groups[my_column]
-        for src in grid.column_ranks(my_column):
-            keys, tensors = [], []
-            for layer in self.layers:
-                work = self.assignment[layer.name]
-                if not self._ready[layer.name] or work.column != my_column:
-                    continue
-                for key, factor, shape in self._second_order_layout(layer):
-                    worker = work.a_worker if factor == "A" else work.g_worker
-                    if worker != src:
-                        continue
-                    if comm.rank == src:
-                        tensors.append(layer.second_order[key])
-                    else:
-                        device = layer.module.weight.device
-                        tensors.append(
-                            torch.empty(shape, dtype=self.inv_dtype, device=device)
-                        )
-                    keys.append((layer, key))
-            received = comm.broadcast(
-                tensors,
-                [key.endswith("_inv") for _, key in keys],  # inverses are symmetric
-                src=src,
-                group=group,
-                kind="second_order",
-            )
-            for (layer, key), tensor in zip(keys, received, strict=True):
-                layer.second_order[key] = tensor
-
-    # -- preconditioning --
-    def _precondition_layer(self, layer: KFACLayer, grad: torch.Tensor) -> torch.Tensor:
-        s = layer.second_order
-        if self.compute_method is ComputeMethod.INVERSE:
-            return precondition_inverse(grad, s["a_inv"], s["g_inv"])
-        if self.compute_eigenvalue_outer_product:
-            return precondition_eigen(grad, s["q_a"], s["q_g"], prediv=s["prediv"])
-        return precondition_eigen(
-            grad, s["q_a"], s["q_g"], d_a=s["d_a"], d_g=s["d_g"], damping=self.damping
-        )
-
-    def _precondition(self) -> None:
-        comm, grid = self.communicator, self.grid
-        my_column, my_row = grid.column_of(comm.rank), grid.row_of(comm.rank)
-        active = [l for l in self.layers if self._ready[l.name] and l.has_grad()]
-        if not active:
-            return
-        grads = {l.name: l.grad_matrix() for l in active}
-        # Scale-safe: each layer preconditions 2^−e ∇ with 2^(e−1) ≤ max|∇| < 2^e
-        # (e ≥ 0: only gradients of 1 and more are scaled, and powers of two
-        # scale exactly), and 2^e is applied with the KL clip's ν at the end, so a
-        # huge finite gradient (1e30, float32's max) does not overflow on the way.
-        maxima = torch.stack(
-            [grads[l.name].abs().amax().to(torch.float64) for l in active]
-        ).tolist()
-        exponents = [
-            max(math.frexp(m)[1], 0) if math.isfinite(m) else 0 for m in maxima
-        ]
-        for layer, e in zip(active, exponents, strict=True):
-            grads[layer.name] = grads[layer.name].to(self.inv_dtype)
-            if e:
-                grads[layer.name] = grads[layer.name] * math.ldexp(1.0, -e)
-        result: dict[str, torch.Tensor] = {}
-        for layer in active:
-            if self.assignment[layer.name].column == my_column:
-                result[layer.name] = self._precondition_layer(layer, grads[layer.name])
-        if grid.columns > 1:
-            group = self._row_groups[my_row]
-            for column, src in enumerate(grid.row_ranks(my_row)):
-                mine = [l for l in active if self.assignment[l.name].column == column]
-                tensors = [
-                    result[l.name]
-                    if column == my_column
-                    else torch.empty(
-                        l.g_dim,
-                        l.a_dim,
-                        dtype=self.inv_dtype,
-                        device=l.module.weight.device,
-                    )
-                    for l in mine
-                ]
-                received = comm.broadcast(
-                    tensors,
-                    [False] * len(tensors),
-                    src=src,
-                    group=group,
-                    kind="gradients",
-                )
-                result.update({l.name: t for l, t in zip(mine, received, strict=True)})
-        kl_clip = self.kl_clip
-        preconditioned = [result[l.name] for l in active]
-        nu = (
-            1.0
-            if kl_clip is None
-            else kl_clip_scale(
-                preconditioned,
-                [grads[l.name] for l in active],
-                self.lr,
-                kl_clip,
-                exponents,
-            )
-        )
-        for layer, update, e in zip(active, preconditioned, exponents, strict=True):
-            try:
-                scale = math.ldexp(nu, e)
-            except OverflowError:  # float64 gradients near their max, not clipped
-                scale = math.inf
-            layer.set_grad(update * scale if scale != 1.0 else update)
 
     def memory_bytes(self) -> int:
         """Bytes of the factors and second-order data this rank holds."""

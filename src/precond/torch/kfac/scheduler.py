@@ -22,6 +22,19 @@ class KFACParamScheduler:
     base · damping_alpha^(number of milestones ≤ s), with base the value at
     construction. Call ``step()`` after ``preconditioner.step()``.
 
+    Args:
+        kfac: the :class:`~precond.torch.kfac.KFAC` preconditioner to schedule.
+        damping_alpha: factor (> 0) applied to the damping at each of
+            ``damping_schedule``'s milestones.
+        damping_schedule: the milestones (counts of ``step()`` calls) of the
+            damping; None or empty: the damping is left alone.
+        update_freq_alpha: factor (> 0) applied to ``factor_update_steps`` and
+            ``inv_update_steps`` at each of ``update_freq_schedule``'s milestones.
+        update_freq_schedule: the milestones of the update intervals; None or
+            empty: they are left alone.
+        start_step: the count of ``step()`` calls to start from (e.g. the epoch
+            a resumed run starts at).
+
     Example, the damping halved after the first epoch:
         >>> import torch
         >>> from precond.torch.kfac import KFAC

@@ -30,14 +30,14 @@ import torch
 
 from precond._common.factor_plan import merge_dims
 from precond.jax import kron as jax_kron
-from precond.torch import _kron_math as tkm
-from precond.torch import kron as torch_kron_module
+from precond.torch._core import factor_kernels as tkm
+from precond.torch.kron import _kron_randomness as torch_kron_randomness
 from tests.jax.helpers import kron_module as jax_kron_module
 from tests.jax.helpers import seed_that_balances_at_step
 from tests.reference import kron_reference as ref
 
 # Kron with the rules these tests were written for (precond's former defaults).
-from tests.torch.test_kron_optimizer import Kron
+from tests.torch.kron.test_kron_optimizer import Kron
 
 # Frameworks and references differ only by float64 rounding of O(1) quantities.
 RTOL = 1e-12
@@ -148,8 +148,8 @@ def _jax_draws_for_torch(monkeypatch, shapes):
         balance, _ = _jax_kron_draws(seed, step, shapes)
         return 0.0 if bool(balance) else 1.0
 
-    monkeypatch.setattr(torch_kron_module, "unit_noise", unit_noise)
-    monkeypatch.setattr(torch_kron_module, "balance_draw", balance_draw)
+    monkeypatch.setattr(torch_kron_randomness, "unit_noise", unit_noise)
+    monkeypatch.setattr(torch_kron_randomness, "balance_draw", balance_draw)
     return calls
 
 
@@ -342,8 +342,8 @@ def test_complex_kron_steps_equal_the_hermitian_reference(monkeypatch):
         assert dtype == torch.complex128
         return torch.from_numpy(noises[(step, index)]).to(device)
 
-    monkeypatch.setattr(torch_kron_module, "unit_noise", unit_noise)
-    monkeypatch.setattr(torch_kron_module, "balance_draw", lambda *args: 1.0)
+    monkeypatch.setattr(torch_kron_randomness, "unit_noise", unit_noise)
+    monkeypatch.setattr(torch_kron_randomness, "balance_draw", lambda *args: 1.0)
     lr, b1 = 0.05, 0.9
     starts = [cnormal(s) for s in shapes]
     params = [torch.nn.Parameter(torch.from_numpy(x.copy())) for x in starts]

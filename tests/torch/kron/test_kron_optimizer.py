@@ -27,13 +27,11 @@ import torch
 from precond._common.kron_plan import plan_tensor
 from precond.jax import precond_update_prob_schedule as jax_schedule
 from precond.torch import Kron as _Kron
-from precond.torch import kron as kron_module
 from precond.torch import precond_update_prob_schedule
-from precond.torch._optimizer import (
-    finite_entries,
-    gradients_are_usable,
-    working_dtype,
-)
+from precond.torch._core.step_policy import finite_entries, gradients_are_usable
+from precond.torch._core.tensors import working_dtype
+from precond.torch.kron import _kron_randomness as kron_randomness
+from precond.torch.kron import kron as kron_module
 
 # The rules precond used before kron-torch 0.1.0's became Kron's defaults (issue
 # 18): RMS update clipping with decoupled weight decay, damping noise in the fit,
@@ -70,8 +68,8 @@ def noise_by_shape(monkeypatch):
         generator = torch.Generator().manual_seed(1000 * step + math.prod(shape))
         return torch.randn(shape, generator=generator, dtype=dtype).to(device)
 
-    monkeypatch.setattr(kron_module, "unit_noise", unit_noise)
-    monkeypatch.setattr(kron_module, "balance_draw", lambda *args: 1.0)
+    monkeypatch.setattr(kron_randomness, "unit_noise", unit_noise)
+    monkeypatch.setattr(kron_randomness, "balance_draw", lambda *args: 1.0)
 
 
 def make_params(shapes, dtype=torch.float64, seed=0):

@@ -1,6 +1,6 @@
 """Kron's per-parameter state (``self.state[p]``): which factor each axis of a
 parameter gets (the plan), the state's dtypes and storage layouts, a fresh
-state, the buckets of equal work, and the checks of a saved state."""
+state, and the buckets of equal work with their stacks."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ import torch
 from precond._common.factor_plan import plan_diagonal_axes
 from precond._common.kron_constants import GENERATION_1_STYLE, stored_cache
 from precond._common.kron_plan import merge_planned_axes
-from precond.torch import _kron_math as km
-from precond.torch._optimizer import as_dtype, working_dtype
+from precond.torch._core import factor_kernels as km
+from precond.torch._core.step_policy import STEP, UPDATE_COUNTER
+from precond.torch._core.tensors import as_dtype, working_dtype
 
-# Keys of self.state[p].
-STEP, UPDATE_COUNTER, MOMENTUM, FACTORS = "step", "update_counter", "momentum", "Q"
+# Keys of self.state[p]: the step policy's (precond.torch._core.step_policy), and
+# Kron's own.
+MOMENTUM, FACTORS = "momentum", "Q"
 LIPSCHITZ = "lipschitz"  # generation-2 styles: per axis, a float32 scalar
 
 
@@ -288,115 +290,3 @@ def initial_factors(p: torch.Tensor, group: dict[str, Any]) -> list[torch.Tensor
 
 
 # --- checks of a saved state ---------------------------------------------------
-
-
-def _counter_problem(entry: dict) -> str | None:
-    """What is wrong with the saved step and update counter, or None."""
-    for key in (STEP, UPDATE_COUNTER):
-        value = entry[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            return f"{key!r} is {value!r}, expected an int >= 0"
-    return None
-
-
-def _tensor_problem(name: str, value: Any, shape, complex_: bool) -> str | None:
-    """What makes ``value`` not a floating (or complex) tensor of ``shape``."""
-    if not isinstance(value, torch.Tensor):
-        return f"{name} is a {type(value).__name__}, expected a tensor"
-    if tuple(value.shape) != tuple(shape):
-        return f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}"
-    kind = "complex" if complex_ else "floating"
-    if value.is_complex() != complex_ or not (
-        value.is_floating_point() or value.is_complex()
-    ):
-        return f"{name} has dtype {value.dtype}, expected a {kind} dtype"
-    return None
-
-
-def _factors_problem(
-    p: torch.Tensor, group: dict[str, Any], factors: Any
-) -> str | None:
-    """What makes saved factors unfit for ``p``'s plan and cache layout."""
-    shape, diagonal = factor_plan(p.shape, group)
-    if not isinstance(factors, list | tuple) or len(factors) != len(shape):
-        got = len(factors) if isinstance(factors, list | tuple) else factors
-        return f"{FACTORS!r} has {got!r} factors, expected {len(shape)}"
-    cache = cache_layout(group)
-    for axis, (F, d, diag) in enumerate(zip(factors, shape, diagonal, strict=True)):
-        if diag:
-            expected = (d,)
-        else:
-            expected = {None: (d, d), "dense": (2, d, d), "packed": (d + 1, d)}[cache]
-        problem = _tensor_problem(f"{FACTORS!r}[{axis}]", F, expected, p.is_complex())
-        if problem:
-            return problem
-    return None
-
-
-def _lipschitz_problem(estimates: Any, axes: int) -> str | None:
-    """What makes saved Lipschitz estimates not ``axes`` real scalars."""
-    if not isinstance(estimates, list | tuple) or len(estimates) != axes:
-        return f"{LIPSCHITZ!r} has the wrong length, expected {axes}"
-    for axis, L in enumerate(estimates):
-        problem = _tensor_problem(f"{LIPSCHITZ!r}[{axis}]", L, (), False)
-        if problem:
-            return problem
-    return None
-
-
-def state_entry_problem(
-    p: torch.Tensor, group: dict[str, Any], entry: Any
-) -> str | None:
-    """What makes a saved ``self.state[p]`` unfit for ``p`` under ``group``'s
-    hyperparameters, or None."""
-    if not isinstance(entry, dict):
-        return f"state is a {type(entry).__name__}, expected a dict"
-    keys = {STEP, UPDATE_COUNTER, MOMENTUM, FACTORS}
-    if generation_2(group):
-        keys.add(LIPSCHITZ)
-    missing = sorted(keys - set(entry))
-    if missing:
-        return f"state lacks {missing[0]!r}"
-    momentum = entry[MOMENTUM]
-    return (
-        _counter_problem(entry)
-        or _tensor_problem(repr(MOMENTUM), momentum, p.shape, p.is_complex())
-        or _factors_problem(p, group, entry[FACTORS])
-        or (
-            _lipschitz_problem(entry[LIPSCHITZ], len(entry[FACTORS]))
-            if LIPSCHITZ in keys
-            else None
-        )
-    )
-
-
-def state_dict_problem(param_groups: list[dict], state_dict: Any) -> str | None:
-    """The first entry of ``state_dict`` that does not fit the groups' parameters
-    (checked against the saved groups' hyperparameters, which a load installs),
-    or None."""
-    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(
-        state_dict
-    ):
-        return "must be a dict with 'state' and 'param_groups'"
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(param_groups):
-        return f"{len(saved_groups)} param groups, expected {len(param_groups)}"
-    known, position = set(), 0
-    for g, (group, saved) in enumerate(zip(param_groups, saved_groups, strict=True)):
-        if len(saved["params"]) != len(group["params"]):
-            return (
-                f"group {g} has {len(saved['params'])} parameters, expected "
-                f"{len(group['params'])}"
-            )
-        hyper = {**group, **{k: v for k, v in saved.items() if k != "params"}}
-        for p, index in zip(group["params"], saved["params"], strict=True):
-            known.add(index)
-            entry = state_dict["state"].get(index)
-            problem = entry is not None and state_entry_problem(p, hyper, entry)
-            if problem:
-                return f"parameter {position} (group {g}) {problem}"
-            position += 1
-    unknown = [index for index in state_dict["state"] if index not in known]
-    if unknown:
-        return f"state for parameter {unknown[0]!r}, which no group lists"
-    return None

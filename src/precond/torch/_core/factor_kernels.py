@@ -47,7 +47,7 @@ import torch
 from precond._common.kron_constants import (  # the styles both frameworks accept
     UPDATE_STYLES as UPDATE_STYLES,
 )
-from precond.torch._optimizer import as_dtype
+from precond.torch._core.tensors import as_dtype
 
 # Leading stack axes of a kernel's per-unit arguments (module doc; 0 in
 # precond.jax._kron_math, whose callers vmap).

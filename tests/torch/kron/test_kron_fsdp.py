@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from precond.torch import Kron, Pro, ShardedPreconditioning
-from precond.torch._dtensor import is_dtensor
+from precond.torch._core.dtensor import is_dtensor
 from tests.torch.spawned import check_spawned_cases
 
 pytest.importorskip("torch.distributed.fsdp")

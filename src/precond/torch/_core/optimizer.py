@@ -1,21 +1,21 @@
-"""What precond's torch optimizers (Kron, Pro) share: the step's preamble (the
-closure, the gradients to use, the non-finite guard and its count of skipped
-steps), generators seeded from integers, the learning-rate check, the momentum
-under torch's name, copies and pickling, checked param groups."""
+"""The base of precond's torch optimizers (Kron, Pro, ProAdamW): the step's
+preamble (the closure, the gradients to use, the count of skipped steps), the
+argument tables and the learning-rate check, the momentum under torch's name,
+copies and pickling, checked param groups, state loads that keep dtypes."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
 from precond._common.validation import check_real
-from precond.torch._dtensor import local_value
+from precond.torch._core.step_policy import skipped_for_unusable_gradients
+from precond.torch._core.tensors import copy_to_device
 
 # Key of the optimizer's count of skipped steps, in its first param group (from
 # the first skip on; precond's K-FAC, as KAISA's, keeps its step count there
@@ -27,19 +27,6 @@ SKIPPED_STEPS = "skipped_steps"
 # cycle_momentum=True), which holds the same value.
 B1, MOMENTUM_ALIAS = "b1", "momentum"
 _check_b1 = KRON_SHARED_ARGUMENT_CHECKS[B1]  # [0, 1), Kron's and Pro's rule
-
-
-def seeded_generator(device: torch.device, *integers: int) -> torch.Generator:
-    """A generator seeded from integers (a seed, a step, an index...): the same
-    draws on every rank, process, Python build and platform.
-
-    Its seed is the first 8 bytes of BLAKE2b over the integers' decimal text
-    joined by commas (b"42,7,-1"), read little-endian, modulo 2⁶³."""
-    text = ",".join(str(int(i)) for i in integers).encode("ascii")
-    digest = hashlib.blake2b(text, digest_size=8).digest()
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int.from_bytes(digest, "little") % (2**63))
-    return generator
 
 
 def eager_step(step: Callable) -> Callable:
@@ -94,90 +81,6 @@ def gradient_entries(
     return entries
 
 
-def skipped_for_unusable_gradients(
-    entries: list[tuple[dict, torch.Tensor, int]],
-    grads: list[torch.Tensor] | None = None,
-) -> bool:
-    """True when some gradient of ``entries`` (or ``grads``, their whole
-    gradients where the parameters are sharded) is unusable
-    (:func:`gradients_are_usable`): the step is skipped, its state unchanged, and
-    only the decoupled weight decay is applied."""
-    if grads is None:
-        grads = cast("list[torch.Tensor]", [p.grad for _, p, _ in entries])
-    if gradients_are_usable(grads):
-        return False
-    for group, p, _ in entries:
-        local_value(p).mul_(1 - scalar(group["lr"]) * group["weight_decay"])
-    return True
-
-
-def finite_entries(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per stack entry, whether every value of every (B, ...) tensor is finite:
-    (B,) booleans.
-
-    x·0 is 0 for a finite x and NaN for ±inf and NaN, so the sum of x·0 over an
-    entry is finite exactly when all of its values are (a sum of zeros cannot
-    overflow): two passes over each tensor, where ``torch.isfinite`` makes four
-    on a CPU (a composite of abs, ne, eq and the product of the two masks)."""
-    sums = torch.stack([(x * 0).reshape(x.shape[0], -1).sum(dim=1) for x in tensors])
-    return sums.isfinite().all(dim=0)
-
-
-def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``, without dispatching a no-op when ``t`` already has it (a
-    step does this for every parameter, where the dispatch costs more than the
-    check)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def as_shape(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """``t.reshape(shape)``, without dispatching a no-op when ``t`` has it."""
-    return t if t.shape == shape else t.reshape(shape)
-
-
-def working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least float32: ``dtype`` for float64 and complex128, else float32 or
-    complex64 (torch's promotion with float32, without dispatching an operator
-    each call: a step asks it per bucket)."""
-    if dtype in (torch.float64, torch.complex128):
-        return dtype
-    return torch.complex64 if dtype.is_complex else torch.float32
-
-
-def _working_tensor(g: torch.Tensor) -> torch.Tensor:
-    """``g`` in its working precision (:func:`working_dtype`: float32, or float64
-    for float64 and complex128), complex entries as (real, imaginary) pairs."""
-    g = as_dtype(g, working_dtype(g.dtype))
-    return torch.view_as_real(g) if g.is_complex() else g
-
-
-def gradients_are_usable(grads: list[torch.Tensor]) -> bool:
-    """True when every gradient's squared norm Σ|g|² is finite in its working
-    precision (float32, or float64 for float64/complex128 gradients): False for
-    NaN and ±Inf entries, and for finite entries so large (≳ 1.8e19 in float32)
-    that their squares overflow, as :func:`precond.jax.kron`'s guard.
-
-    Σ|g|² is ‖g‖², each squared in its gradient's working precision: finite
-    when Σ|g|² is (up to rounding at the precision's largest value), however
-    ``torch._foreach_norm`` reaches ‖g‖ (it takes |g| for one entry, so
-    ‖[3e19]‖ is finite in float32 where its square is not). Two fused calls
-    over the real views, where one ``torch.dot`` per gradient dispatched as
-    many operators as there are parameters; one host sync per step."""
-    norms = torch._foreach_norm(  # pyright: ignore[reportPrivateImportUsage]
-        [_working_tensor(g) for g in grads]
-    )
-    squared_norms = torch._foreach_mul(  # pyright: ignore[reportPrivateImportUsage]
-        norms, norms
-    )
-    # Stacking promotes float32 values to float64 where both occur: exactly.
-    return bool(torch.stack(squared_norms).isfinite().all())
-
-
-def scalar(value: Any) -> float:
-    """A learning rate as a Python number (a tensor ``lr`` is read once)."""
-    return value.item() if isinstance(value, torch.Tensor) else value
-
-
 def check_lr(name: str, value: Any) -> None:
     """A number >= 0, or a one-element floating tensor holding one (as
     ``torch.optim.Adam`` accepts, and refuses with the same words)."""
@@ -218,13 +121,6 @@ def saved_parameters(
         for saved, group in zip(state_dict["param_groups"], param_groups, strict=True)
         for key, p in zip(saved["params"], group["params"], strict=True)
     }
-
-
-def copy_to_device(value: Any, device: torch.device) -> Any:
-    """A copy of a tensor, or of a (nested) list of tensors, on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, copy=True)
-    return [copy_to_device(v, device) for v in value]
 
 
 def _with_momentum_alias(defaults: dict[str, Any]) -> dict[str, Any]:

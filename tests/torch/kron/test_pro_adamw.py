@@ -3,7 +3,7 @@
 (1) Steps equal ``precond.jax.pro_adamw``'s, parameter by parameter, when both
     start from the same parameters, see the same gradients and make the same
     draws (each framework's draw function returns fixed arrays, a function of
-    the requested shape, as tests/torch/test_pro.py does for Pro). Float32, the
+    the requested shape, as tests/torch/kron/test_pro.py does for Pro). Float32, the
     only precision both take: 1e-5 relative on each step's change.
 (2) Named parameters take the JAX rule (the same split of the same names);
     unnamed ones: every parameter of at least 2 dimensions; a group's
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import precond.jax as pj
-import precond.torch.pro as pro_module
+import precond.torch.kron.pro as pro_module
 from precond.jax import _normal_draws as normal_draws
 from precond.torch import ProAdamW
 

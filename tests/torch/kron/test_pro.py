@@ -30,13 +30,13 @@ import pytest
 import torch
 
 import precond.jax as pj
-import precond.torch.pro as pro_module
+import precond.torch.kron.pro as pro_module
 from precond._common.pro_layout import merged_shape
 from precond.jax import _kron_math as jkm
 from precond.jax import _normal_draws as normal_draws
 from precond.jax.pro import _plan as jax_pro_plan
 from precond.torch import Pro
-from precond.torch import _kron_math as tkm
+from precond.torch._core import factor_kernels as tkm
 
 
 def _relative(a, b) -> float:

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from precond.torch import Kron
-from tests.torch.test_kron_optimizer import PRECOND_RULES
+from tests.torch.kron.test_kron_optimizer import PRECOND_RULES
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 sklearn_model_selection = pytest.importorskip("sklearn.model_selection")

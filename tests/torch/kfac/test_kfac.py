@@ -31,7 +31,7 @@ from precond.torch.kfac import (
     ComputeMethod,
     DistributedStrategy,
     KFACParamScheduler,
-    preconditioner,
+    registration,
 )
 from precond.torch.kfac.second_order import kl_clip_scale
 from tests.reference import kfac_reference as ref
@@ -598,8 +598,8 @@ def test_fsdp1_and_dtensors_of_an_old_torch_are_refused(monkeypatch):
     with pytest.raises(NotImplementedError, match="not FSDP1"):
         KFAC(FullyShardedDataParallel())
     # DTensor weights where torch cannot cut a local shard (before 2.6).
-    monkeypatch.setattr(preconditioner, "looks_like_dtensor", lambda t: True)
-    monkeypatch.setattr(preconditioner, "dtensors_supported", lambda: False)
+    monkeypatch.setattr(registration, "looks_like_dtensor", lambda t: True)
+    monkeypatch.setattr(registration, "dtensors_supported", lambda: False)
     with pytest.raises(NotImplementedError, match=r"torch >= 2\.6"):
         KFAC(SmallCNN())
 

@@ -22,8 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torch.spawned import check_spawned_cases
-from tests.torch.test_kfac_distributed import (
+from tests.torch.kfac.test_kfac_distributed import (
     GLOBAL_BATCH,
     RELATIVE_TOLERANCE,
     STEPS,
@@ -33,6 +32,7 @@ from tests.torch.test_kfac_distributed import (
     relative_error,
     single_process,
 )
+from tests.torch.spawned import check_spawned_cases
 
 pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):

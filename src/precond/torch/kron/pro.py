@@ -19,7 +19,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from precond._common.kron_constants import MAX_UPDATE_RMS
@@ -31,15 +30,25 @@ from precond._common.pro_layout import (
     _Region,
 )
 from precond._common.validation import check_int, check_real
-from precond.torch import _kron_math as km
-from precond.torch import _optimizer as shared
-from precond.torch._dtensor import (
+from precond.torch._core import factor_kernels as km
+from precond.torch._core import optimizer as shared
+from precond.torch._core.dtensor import (
     check_dtensor_parameter,
     full_gradients,
     local_part,
     local_value,
 )
-from precond.torch._profiling import profiled_stage
+from precond.torch._core.profiling import profiled_stage
+from precond.torch._core.step_policy import (
+    STEP,
+    UPDATE_COUNTER,
+    count_step,
+    finite_entries,
+    fit_due,
+    probability_at,
+    seeded_generator,
+)
+from precond.torch._core.tensors import scalar
 
 __all__ = ["Pro"]
 
@@ -53,7 +62,8 @@ def _check_gradient(p: torch.Tensor) -> None:
 # Keys of self.state[p]. FACTORS and LIPSCHITZ hold, per block region of the
 # parameter (ordered by the region's offset), a list with one tensor per side:
 # (blocks, d, d) or (blocks, d) factors, (blocks,) float32 Lipschitz estimates.
-STEP, UPDATE_COUNTER, MOMENTUM = "step", "update_counter", "momentum"
+# STEP and UPDATE_COUNTER are the step policy's (precond.torch._core.step_policy).
+MOMENTUM = "momentum"
 FACTORS, LIPSCHITZ = "factors", "lipschitz"
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -66,7 +76,7 @@ def draw_normal(
 ) -> torch.Tensor:
     """Every random draw of :class:`Pro` (the damping noise V and the sampled
     norm bounds' vectors) is made by this module-level function, so a test can
-    replace it (``monkeypatch.setattr(precond.torch.pro, "draw_normal", f)``)."""
+    replace it (``monkeypatch.setattr(precond.torch.kron.pro, "draw_normal", f)``)."""
     return km.normal_draw(generator, shape, dtype, device)
 
 
@@ -133,7 +143,7 @@ class Pro(shared.CheckedOptimizer):
        have passed, p = ``preconditioner_update_probability``), each block fits
        its factors to G̃ = m̂ + (δ + ε|m̂|)⊙V (δ·V for vectors; V ~ N(0, I),
        δ = ``noise_scale``) by one generation-2 step
-       (``_kron_math.update_factors_gen2``: step ``preconditioner_lr`` over a
+       (``factor_kernels.update_factors_gen2``: step ``preconditioner_lr`` over a
        smoothed Lipschitz estimate with sampled norm bounds; 'PRO' adds a
        Procrustes rotation, 'QUAD' keeps Q symmetric, 'QEQ' steps Q on its
        right), whitening targets.
@@ -146,13 +156,13 @@ class Pro(shared.CheckedOptimizer):
     stack's first block): every DDP rank and every resumed run draws the same.
     FSDP2 (``fully_shard``) parameters work as in Kron (torch >= 2.6): each
     whole gradient is gathered and each rank applies its shard's slice of U
-    (``precond.torch._dtensor``).
+    (``precond.torch._core.dtensor``).
     A step in which some gradient is not usable (NaN, ±Inf, or so large its
     squared norm overflows) changes no state and moves the parameters only by
     weight decay; a fit that overflows keeps that block's old factors. Skipped
     steps are counted in :attr:`skipped_steps` (kept in ``param_groups[0]``,
     so checkpoints keep it), and the first is logged at WARNING on the
-    ``precond.torch.pro`` logger.
+    ``precond.torch.kron.pro`` logger.
 
     Args:
         params: parameters or param groups (every argument but ``seed`` may be
@@ -238,7 +248,7 @@ class Pro(shared.CheckedOptimizer):
         entries = shared.gradient_entries(self.param_groups, _check_gradient)
         if not entries:
             return loss
-        # Whole gradients: a DTensor's is gathered (precond.torch._dtensor).
+        # Whole gradients: a DTensor's is gathered (precond.torch._core.dtensor).
         full = full_gradients([p for _, p, _ in entries])
         if self._skipped_for_unusable_gradients(entries, full):
             return loss
@@ -333,7 +343,7 @@ class Pro(shared.CheckedOptimizer):
                 factors = km.balance_factors(factors)
             if do_fit:
                 first = stack.regions[0]
-                generator = shared.seeded_generator(
+                generator = seeded_generator(
                     G.device, self.seed, step, bucket[first.leaf][2], *first.first
                 )
                 factors, lipschitz = self._fit(
@@ -380,7 +390,7 @@ class Pro(shared.CheckedOptimizer):
             rngs,
             _draw,
         )
-        finite = shared.finite_entries([*new_factors, *new_lipschitz])
+        finite = finite_entries([*new_factors, *new_lipschitz])
         kept_factors = [
             torch.where(km._expand(finite, new), new, old).to(old.dtype)
             for new, old in zip(new_factors, factors, strict=True)
@@ -448,9 +458,8 @@ def _momentum_step(
     ``normalize_grads``."""
     group = bucket[0][0]
     dtype, b1 = group["dtype"], group["b1"]
-    for state in states:
-        state[STEP] += 1
-    correction = 1 - torch.tensor(b1, dtype=torch.float32) ** states[0][STEP]
+    step = count_step(states)
+    correction = 1 - torch.tensor(b1, dtype=torch.float32) ** step
     momenta = []
     for (_, _, index), state in zip(bucket, states, strict=True):
         mu = b1 * state[MOMENTUM].float() + (1 - b1) * grads[index].float()
@@ -463,29 +472,19 @@ def _momentum_step(
 
 
 def _fit_due(group: dict[str, Any], states: list) -> bool:
-    """Counts the steps since the last fit; whether the factors are fitted this
-    step (the first, then once 1/p(n) steps have passed). A due fit resets the
-    count."""
-    for state in states:
-        state[UPDATE_COUNTER] += 1
-    step = states[0][STEP]
-    probability: float | Callable[[int], float] = group[
-        "preconditioner_update_probability"
-    ]
-    if callable(probability):
-        probability = probability(step)
-    due = step == 1 or states[0][UPDATE_COUNTER] >= 1.0 / np.float32(probability)
-    if due:
-        for state in states:
-            state[UPDATE_COUNTER] = 0
-    return bool(due)
+    """Whether the factors are fitted this step (the step policy's
+    :func:`fit_due`): the first, then once 1/p(n) steps have passed."""
+    probability = probability_at(
+        group["preconditioner_update_probability"], states[0][STEP]
+    )
+    return fit_due(states, probability, first_step=True)
 
 
 def _apply_updates(bucket: list, updates: list[torch.Tensor]) -> None:
     """θ ← θ − lr·(U + λθ), U = P·m̂ scaled to an RMS of at most 1.1 (and divided
     by 5 with ``lr_style='adam'``); on this rank's shard of a DTensor θ."""
     group = bucket[0][0]
-    lr, decay = shared.scalar(group["lr"]), group["weight_decay"]
+    lr, decay = scalar(group["lr"]), group["weight_decay"]
     for (_, p, _), u in zip(bucket, updates, strict=True):
         rms = u.float().square().mean().sqrt()
         u = u * (MAX_UPDATE_RMS / torch.clamp(rms, min=MAX_UPDATE_RMS)).to(u.dtype)

@@ -21,18 +21,21 @@ import torch
 
 from precond._common import pro_adamw_recipe as recipe
 from precond._common.validation import check_real
-from precond.torch import _optimizer as shared
-from precond.torch import pro as pro_module
-from precond.torch._dtensor import looks_like_dtensor
-from precond.torch.kron import precond_update_prob_schedule
-from precond.torch.pro import Pro
+from precond.torch._core import optimizer as shared
+from precond.torch._core import step_policy
+from precond.torch._core.dtensor import looks_like_dtensor
+from precond.torch._core.step_policy import count_step
+from precond.torch._core.tensors import scalar
+from precond.torch.kron import pro as pro_module
+from precond.torch.kron.pro import Pro
+from precond.torch.kron.schedule import precond_update_prob_schedule
 
 __all__ = ["ProAdamW"]
 
 # Keys of self.state[p] of AdamW's parameters (torch.optim.AdamW's names; the
 # step count is an int, as Pro's).
 EXP_AVG, EXP_AVG_SQ = "exp_avg", "exp_avg_sq"
-STEP = pro_module.STEP
+STEP = step_policy.STEP
 # A param group's choice of part: True (pro), False (AdamW), None (the rule).
 PRECONDITIONED = "preconditioned"
 
@@ -219,7 +222,7 @@ def _pro_view(group: dict[str, Any]) -> dict[str, Any]:
     probability = group["preconditioner_update_probability"]
     return {
         **group,
-        "lr": shared.scalar(group["lr"]) * group["pro_lr_multiplier"],
+        "lr": scalar(group["lr"]) * group["pro_lr_multiplier"],
         "lr_style": "adam",
         "preconditioner_update_probability": (
             _DEFAULT_SCHEDULE if probability is None else probability
@@ -239,12 +242,12 @@ def _adamw_step(state: dict, entries: list) -> None:
             entry[STEP] = 0
             entry[EXP_AVG] = torch.zeros_like(p, memory_format=torch.preserve_format)
             entry[EXP_AVG_SQ] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        entry[STEP] += 1
+        count_step([entry])
         buckets[(id(group), entry[STEP])].append((group, p, entry))
     for bucket in buckets.values():
         group, n = bucket[0][0], bucket[0][2][STEP]
         (b1, b2), eps = group["adam_betas"], group["adam_eps"]
-        lr, decay = shared.scalar(group["lr"]), group["weight_decay"]
+        lr, decay = scalar(group["lr"]), group["weight_decay"]
         params = [p for _, p, _ in bucket]
         grads = [p.grad for p in params]
         m = [entry[EXP_AVG] for _, _, entry in bucket]

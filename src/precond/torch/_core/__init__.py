@@ -1,0 +1,5 @@
+"""The engine under precond's PyTorch optimizers, shared by every family.
+
+The optimizer base (checked param groups, the step's preamble), the step policy
+(seeded draws, skipping unusable gradients), Kronecker-factor kernels, DTensors.
+"""
