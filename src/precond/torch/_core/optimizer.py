@@ -22,6 +22,9 @@ from precond.torch._core.tensors import copy_to_device
 # too), so that whatever saves an optimizer (torch.save, torch.distributed.
 # checkpoint) saves it, and no parameter gets a partial state.
 SKIPPED_STEPS = "skipped_steps"
+# Where Kron, Pro and ProAdamW log (K-FAC logs on its child, precond.torch.kfac):
+# one name, whichever module the optimizer's class lives in.
+LOGGER = logging.getLogger("precond.torch")
 # The momentum β₁: its argument name (the seeds'), and the param-group key that
 # torch's schedulers read and set (OneCycleLR and CyclicLR with
 # cycle_momentum=True), which holds the same value.
@@ -244,14 +247,14 @@ class CheckedOptimizer(torch.optim.Optimizer):
     ) -> bool:
         """:func:`skipped_for_unusable_gradients`, counting a skipped step in
         :attr:`skipped_steps`; the first skip is logged at WARNING on the
-        logger of the optimizer's module (once per optimizer object)."""
+        ``precond.torch`` logger (once per optimizer object)."""
         if not skipped_for_unusable_gradients(entries, grads):
             return False
         first = self.param_groups[0]
         first[SKIPPED_STEPS] = first.get(SKIPPED_STEPS, 0) + 1
         if not self._warned_skip:
             self._warned_skip = True
-            logging.getLogger(type(self).__module__).warning(
+            LOGGER.warning(
                 "%s skipped a step: a gradient is NaN, ±Inf or so large that its "
                 "squared norm overflows, so no state changed and the parameters "
                 "moved by weight decay alone. optimizer.skipped_steps counts such "

@@ -46,7 +46,7 @@ factor fit that still overflows (a large gradient met by large factors)
 keeps the parameter's old factors; the step itself proceeds. Skipped steps
 are counted in :attr:`skipped_steps` (kept in ``param_groups[0]``, so
 checkpoints keep it), and the first is logged at WARNING on the
-``precond.torch.kron.kron`` logger.
+``precond.torch`` logger.
 
 Complex parameters are supported (Li's PSGD is defined for them): P =
 ⊗ Q_iᴴQ_i is Hermitian, the factors are complex with real positive

@@ -162,7 +162,7 @@ class Pro(shared.CheckedOptimizer):
     weight decay; a fit that overflows keeps that block's old factors. Skipped
     steps are counted in :attr:`skipped_steps` (kept in ``param_groups[0]``,
     so checkpoints keep it), and the first is logged at WARNING on the
-    ``precond.torch.kron.pro`` logger.
+    ``precond.torch`` logger.
 
     Args:
         params: parameters or param groups (every argument but ``seed`` may be
