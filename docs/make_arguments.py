@@ -91,7 +91,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
     import precond.jax as pj
     from precond.jax._core.alias import ALIAS_ARGUMENT_CHECKS
     from precond.jax.kron._arguments import KRON_ARGUMENT_CHECKS
-    from precond.jax.kron.pro import PRO_ARGUMENT_CHECKS
+    from precond.jax.kron._pro_config import PRO_ARGUMENT_CHECKS
     from precond.jax.kron.pro_adamw import PRO_ADAMW_ARGUMENT_CHECKS
     from precond.jax.psgd._transform import PSGD_ARGUMENT_CHECKS
     from precond.jax.psgd.affine import AFFINE_ARGUMENT_CHECKS

@@ -15,13 +15,12 @@ their states. Kernels of one tensor live in ``precond.jax._core.factor_kernels``
 """
 
 from precond.jax._core.skipped_steps import skipped_steps
-from precond.jax.kron.pro import (
-    PRO_STATIC_ARGS,
-    ProState,
-    pro,
-    pro_opt_state_partition_specs,
-    scale_by_pro,
+from precond.jax.kron._pro_config import PRO_STATIC_ARGS, ProState
+from precond.jax.kron.distributed_kron_state import (
+    kron_state_from_distributed_kron,
+    kron_state_to_distributed_kron,
 )
+from precond.jax.kron.pro import pro, pro_opt_state_partition_specs, scale_by_pro
 from precond.jax.kron.pro_adamw import (
     PRO_ADAMW_STATIC_ARGS,
     pro_adamw,
@@ -32,8 +31,6 @@ from precond.jax.kron.transform import (
     KronState,
     get_opt_state_partition_specs,
     kron,
-    kron_state_from_distributed_kron,
-    kron_state_to_distributed_kron,
     precond_update_prob_schedule,
     scale_by_kron,
 )
@@ -53,6 +50,12 @@ from precond.jax.shampoo._math import (
     matrix_inverse_pth_root_eigh,
     power_iteration,
 )
+from precond.jax.shampoo.state_views import (
+    distributed_shampoo_partition_specs,
+    distributed_shampoo_state_shapes,
+    seed_parameter_stats,
+    shampoo_state_from_seed,
+)
 from precond.jax.shampoo.transform import (
     SCALE_BY_SHAMPOO_STATIC_ARGS,
     SHAMPOO_STATIC_ARGS,
@@ -64,11 +67,7 @@ from precond.jax.shampoo.transform import (
     ShampooState,
     TrainingMetrics,
     distributed_shampoo,
-    distributed_shampoo_partition_specs,
-    distributed_shampoo_state_shapes,
     scale_by_shampoo,
-    seed_parameter_stats,
-    shampoo_state_from_seed,
 )
 
 __all__ = [

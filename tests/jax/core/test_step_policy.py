@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import precond.jax as pj
+from precond._common.pro_layout import BALANCE_EVERY
 from precond.jax._core import step_policy as policy
-from precond.jax.kron.pro import BALANCE_EVERY
 from tests.jax.helpers import without_skip_counts
 
 

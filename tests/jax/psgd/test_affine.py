@@ -12,7 +12,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from precond.jax.psgd.affine import AffineFactors, affine, scale_by_affine
+from precond.jax import affine, scale_by_affine
+from precond.jax.psgd import _affine_kernels as kernels
+from precond.jax.psgd._affine_kernels import AffineFactors
 from tests.jax.helpers import float64
 from tests.reference import affine_reference as ref
 
@@ -66,9 +68,7 @@ def _factors_of(state, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_view_and_factor_types(name):
     shape, view, diagonal = CASES[name]
-    assert (
-        affine_module.matrix_view_shape(shape) == view == ref.matrix_view_shape(shape)
-    )
+    assert kernels.matrix_view_shape(shape) == view == ref.matrix_view_shape(shape)
     params = {"x": jnp.zeros(shape)}
     state = scale_by_affine(**LIMITS).init(params)
     factors = _factors_of(state, "x")
@@ -77,8 +77,8 @@ def test_view_and_factor_types(name):
     assert (factors.left.shape[0], factors.right.shape[0]) == view
     # Unlike psgd-jax, no permutation: (3, 64, 3) is (3, 192), not (9, 64); ties
     # take the smaller first side.
-    assert affine_module.matrix_view_shape((3, 64, 3)) == (3, 192)
-    assert affine_module.matrix_view_shape((3, 4, 3)) == (3, 12)
+    assert kernels.matrix_view_shape((3, 64, 3)) == (3, 192)
+    assert kernels.matrix_view_shape((3, 4, 3)) == (3, 12)
 
 
 @pytest.mark.parametrize("order", ["2nd", "1st"])
@@ -92,7 +92,7 @@ def test_one_fit_and_preconditioning_match_reference(name, newton, order):
     factors = _random_factors(rng, view, diagonal)
     H, V, G = (rng.normal(size=view) for _ in range(3))
     V = V if newton else None
-    got = affine_module.affine_update(
+    got = kernels.affine_update(
         _jax_factors(factors),
         jnp.asarray(H),
         None if V is None else jnp.asarray(V),
@@ -103,7 +103,7 @@ def test_one_fit_and_preconditioning_match_reference(name, newton, order):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(
-        affine_module.affine_precondition(got, jnp.asarray(G)),
+        kernels.affine_precondition(got, jnp.asarray(G)),
         ref.precondition(*want, G),
         rtol=1e-12,
         atol=1e-14,
@@ -117,7 +117,7 @@ def test_expected_noise_grams(name):
     _, view, diagonal = CASES[name]
     rng = np.random.default_rng(3)
     factors = _random_factors(rng, view, diagonal)
-    got = affine_module.expected_noise_grams([jnp.asarray(Q) for Q in factors])
+    got = kernels.expected_noise_grams([jnp.asarray(Q) for Q in factors])
     exact = ref.noise_grams_by_basis(*factors)
     for g, w, Q in zip(got, exact, factors, strict=True):
         np.testing.assert_allclose(g, np.diag(w) if Q.ndim == 1 else w, rtol=1e-12)
@@ -310,7 +310,7 @@ def test_whitening_fit_recovers_inverse_root(dropv):
     )
     params = {"w": jnp.zeros(view)}
     state = optimizer.init(params)
-    assert affine_module.integrates_noise_out(_factors_of(state, "w")) == dropv
+    assert kernels.integrates_noise_out(_factors_of(state, "w")) == dropv
     L, R = jnp.asarray(root(C_l)), jnp.asarray(root(C_r))
 
     @jax.jit

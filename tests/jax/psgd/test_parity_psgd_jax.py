@@ -398,7 +398,11 @@ def test_lra_fit_with_psgd_jax_balancing_matches_its_kernel():
 def test_affine_permuted_view_is_psgd_jax_view():
     """``permute_axes=True`` views every tensor as psgd-jax does (same matrix
     shape and same entries), and maps the matrix back to the tensor."""
-    from precond.jax.psgd.affine import from_matrix, matrix_view_plan, to_matrix
+    from precond.jax.psgd._affine_kernels import (
+        from_matrix,
+        matrix_view_plan,
+        to_matrix,
+    )
 
     oracles.psgd_jax()  # imports psgd-jax with its shims
     oracle_affine = importlib.import_module("psgd_jax.affine")

@@ -35,7 +35,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-import precond.jax.shampoo.transform as ps
+import precond.jax as ps
 from precond.jax.shampoo import _math as sm
 from tests import oracles
 

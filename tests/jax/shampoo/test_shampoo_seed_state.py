@@ -19,7 +19,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import precond.jax.shampoo.transform as ps
+import precond.jax as ps
 from precond.jax.shampoo import _math as sm
 from tests.jax.shampoo.test_parity_shampoo import (
     BASE,

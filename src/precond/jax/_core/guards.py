@@ -1,7 +1,7 @@
 """The step guard every JAX optimizer applies to its gradients.
 
 A step is *skipped* (zero update, state unchanged but for its count of skipped
-steps: ``_step_policy``) when some leaf's squared norm
+steps: ``step_policy``) when some leaf's squared norm
 ‖g‖² = Σ|gᵢ|² is not finite in its working precision (float32, or float64 for
 float64 leaves). That covers NaN and ±Inf entries, and finite entries so large
 that their squares overflow: from about 1.8e19 in float32 (√ of float32's max),

@@ -1,7 +1,7 @@
 """Where Kron's state and work live on a device mesh.
 
 Momentum follows its parameter. Preconditioner factors live in stacks of equal
-units (see ``_kron_layout``), and every stack is split along its unit axis over
+units (see ``kron._layout``), and every stack is split along its unit axis over
 the *unit axes* of the mesh, so that each device holds and fits about 1/N of the
 factors and a unit's kernels never communicate. The unit axes are the mesh axes
 named in ``preconditioner_partition_spec``, or else every mesh axis that shards a

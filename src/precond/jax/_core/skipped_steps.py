@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from precond.jax.kron._pro_config import ProState
 from precond.jax.kron._state import KronState
-from precond.jax.kron.pro import ProState
 from precond.jax.psgd._transform import PSGDState
 from precond.jax.shampoo._state import ShampooState
 
@@ -45,6 +45,13 @@ def skipped_steps(state: Any) -> jax.Array:
     ``logging.getLogger("precond.jax").setLevel(logging.ERROR)`` before the
     step is traced (its first call under ``jit``); the callback is then left
     out and nothing is logged; the count goes on.
+
+    Args:
+        state: an optax state (or a tree holding one, such as ``nnx.Optimizer``'s
+            ``opt_state``).
+
+    Returns:
+        An int32 scalar: the steps skipped by every precond optimizer in ``state``.
 
     Example:
         >>> import jax.numpy as jnp

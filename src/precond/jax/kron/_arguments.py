@@ -70,6 +70,16 @@ def precond_update_prob_schedule(
     ``min_prob``. The defaults update every step for 500 steps and reach one
     update every ~33 steps after about 4000 steps.
 
+    Args:
+        max_prob: the probability of the first ``flat_start`` steps, the largest.
+        min_prob: the smallest probability, reached as it decays.
+        decay: the rate of the exponential decay per step after ``flat_start``.
+        flat_start: steps before the decay starts.
+
+    Returns:
+        The schedule: a function of the step count n (1-based) returning p(n), a float32
+        scalar.
+
     Example:
         >>> import precond.jax as pj
         >>> optimizer = pj.kron(

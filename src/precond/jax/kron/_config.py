@@ -1,7 +1,7 @@
 """Kron's configuration, validated once, and the plan of a parameter tree under it.
 
 :class:`KronConfig` holds ``scale_by_kron``'s arguments after their checks; the
-module-level functions of ``_kron_state`` and ``_kron_step`` take it as their
+module-level functions of ``kron._state`` and ``kron._step`` take it as their
 first argument. :func:`plan_tree` derives, on shapes alone, how a tree is laid
 out in stacks of units and where they live on the mesh.
 """
@@ -106,7 +106,7 @@ def kron_config(arguments: dict[str, Any]) -> KronConfig:
 
     ``arguments`` is its ``locals()``: every argument by name, ``kron``'s own
     (ignored) in ``kwargs``. Raises TypeError for any other keyword and
-    ValueError/TypeError for an invalid value (:mod:`._kron_arguments`).
+    ValueError/TypeError for an invalid value (:mod:`kron._arguments`).
     """
     arguments = dict(arguments)
     unexpected = sorted(set(arguments.pop("kwargs", {})) - set(KRON_ALIAS_ARGS))

@@ -41,13 +41,25 @@ class KronState(NamedTuple):
     """State of :func:`scale_by_kron`: arrays only, so any checkpointer saves it.
 
     ``skipped`` counts the steps skipped for unusable gradients (see
-    :func:`precond.jax.skipped_steps`)."""
+    :func:`precond.jax.skipped_steps`).
+
+    Attributes:
+        count: int32 scalar: the steps taken (skipped steps not counted).
+        mu: the momentum, a tree like the params in ``mu_dtype``; None when b1 == 0.
+        preconditioners: per stack of equal-shaped units, a tuple of factors per axis,
+            each with a leading unit axis (its stored form follows
+            ``preconditioner_cache``).
+        update_counter: int32 scalar: the steps since the factors were last fitted.
+        skipped: int32 scalar: the steps skipped for unusable gradients.
+        lipschitz: generation-2 styles only (None for 'EQ'): per stack and axis, the
+            float32 Lipschitz estimates of the factor updates, one per unit.
+    """
 
     count: jax.Array  # shape=(), dtype=int32: steps taken (skipped steps not counted)
     mu: optax.Updates | None  # like params, dtype=mu_dtype; None when b1 == 0
     # One empty array (here and in lipschitz) in the state of a tree with no arrays.
     preconditioners: tuple | jax.Array  # per stack of equal-shaped units (see
-    # _kron_layout), a tuple of factors per axis, each with a leading unit axis:
+    # kron._layout), a tuple of factors per axis, each with a leading unit axis:
     # (units, b) diagonal; triangular by preconditioner_cache: None (units, b, b)
     # Q, 'packed' (units, b + 1, b) Q with QᵀQ in its lower triangle, 'dense'
     # (units, 2, b, b);

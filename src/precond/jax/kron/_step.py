@@ -3,7 +3,7 @@ preconditioned, RMS-clipped update (``scale_by_kron``'s ``update``).
 
 Every function takes the :class:`~precond.jax.kron._config.KronConfig` first;
 arrays move between the parameters' layout and stacks of equal units
-(``_kron_layout``), on which the single-unit kernels of ``_kron_math`` are
+(``kron._layout``), on which the single-unit kernels of ``factor_kernels`` are
 vmapped.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +25,6 @@ from precond.jax._core.guards import (
     check_state_matches,
     gradients_are_usable,
 )
-from precond.jax._core.mesh_placement import ShardingPlan
 from precond.jax._core.newton import newton_arguments
 from precond.jax._core.precision import matmul_precision
 from precond.jax._core.step_policy import SkipWarning, skip_counted
@@ -40,6 +37,7 @@ from precond.jax.kron._config import (
     probability_at,
 )
 from precond.jax.kron._randomness import fit_randomness, unit_noise
+from precond.jax.kron._stacks import _over_units, _per_stack, _stacked, _Step
 from precond.jax.kron._state import (
     KronState,
     factor_of,
@@ -57,86 +55,6 @@ __all__ = ["fit_key", "update"]
 def fit_key(seed: int, count: jax.Array) -> jax.Array:
     """The key of the random draws of a factor update at step ``count``."""
     return jax.random.fold_in(jax.random.PRNGKey(seed), count)
-
-
-class _Step(NamedTuple):
-    """What one traced step knows about its tree: its plan and each leaf's
-    layer axis."""
-
-    tree: TreePlan
-    leads: list[tuple[int, ...]]  # per leaf: (layers,) if scanned, ()
-
-    @property
-    def sharding(self) -> ShardingPlan:
-        return self.tree.sharding
-
-
-# ------------------------------------------------------------------ stacks
-
-
-def _over_units(
-    config: KronConfig,
-    fn: Callable,
-    sharding: ShardingPlan,
-    *stacked,
-    batch_size: int | None = None,
-):
-    """``fn`` applied to every unit of a stack: one vmap, or lax.map in batches
-    of ``lax_map_batch_size`` units (``lax_map_scanned_layers``) or else of
-    ``batch_size`` units, if given.
-
-    A sharded stack is mapped shard by shard (a vmap over the shards of a
-    lax.map over each shard's units), so that no device waits on another.
-    """
-    if config.lax_map_scanned_layers:
-        batch_size = config.lax_map_batch_size
-    if batch_size is None:
-        return jax.vmap(fn)(*stacked)
-    shards = sharding.shards
-
-    def local_map(*xs):
-        return jax.lax.map(lambda xs: fn(*xs), xs, batch_size=batch_size)
-
-    if shards == 1:
-        return local_map(*stacked)
-    split = jax.tree.map(
-        lambda x: sharding.constrain(
-            x.reshape(shards, -1, *x.shape[1:]), sharding.stack_spec
-        ),
-        stacked,
-    )
-    out = jax.vmap(local_map)(*split)
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
-
-
-def _stacked(config: KronConfig, step: _Step, tensors: list) -> list[jax.Array]:
-    """Per-parameter tensors as stacks of units, in the factors' compute dtype."""
-    tree, sharding = step.tree, step.sharding
-    # Views of shape (layers?, *merged shape).
-    views = [
-        working(config, x.reshape(lead + plan.shape))
-        for x, plan, lead in zip(tensors, tree.plans, step.leads, strict=True)
-    ]
-    # Gathered whole first: the SPMD partitioner moves a sharded tensor into
-    # blocks only by full rematerialisation, and gathering is cheaper and
-    # predictable (see BENCHMARKS.md, kron_sharded).
-    views = [sharding.constrain(v, PartitionSpec()) for v in views]
-    return [
-        sharding.constrain(x, sharding.stack_spec)
-        for x in layout.to_stacks(views, tree.plans, tree.stacks)
-    ]
-
-
-def _per_stack(step: _Step, per_parameter: list, padding_entry: Callable) -> list:
-    """Per stack, the entries of its members concatenated, then
-    ``padding_entry(n, like)`` for its n padding units."""
-    out = []
-    for stack in step.tree.stacks:
-        parts = [per_parameter[i] for i in stack.members]
-        padding = len(stack.extents) - stack.real_units
-        parts.append(padding_entry(padding, stack, parts[0]))
-        out.append(jnp.concatenate(parts))
-    return out
 
 
 def _seed_layout_draws(
@@ -268,7 +186,7 @@ def _fit_unit(
     Qs, new_lipschitz = _fitted_factors(config, Qs, lipschitz, G, V, valid, newton)
     new_factors = tuple(stored_factor(config, Q) for Q in Qs)
     # A fit that overflowed (a gradient too large for the grams, yet usable:
-    # _guards) keeps the unit's old factors, as the other PSGD variants do.
+    # guards) keeps the unit's old factors, as the other PSGD variants do.
     fitted = all_finite(new_factors, new_lipschitz)
 
     def keep(new, old):
@@ -540,7 +458,7 @@ def _step(
     grads = sharding.constrain_params(jax.tree.leaves(updates))
     step = _Step(tree, leads(tree.plans, grads))
     # A step whose gradient is unusable (NaN/Inf, or so large its square
-    # overflows: _guards) keeps the old state and returns zeros. The guard is
+    # overflows: guards) keeps the old state and returns zeros. The guard is
     # fused into the elementwise work (no whole-state select or cond).
     checked = grads if newton is None else grads + jax.tree.leaves(newton["Hvp"])
     finite = gradients_are_usable(checked)

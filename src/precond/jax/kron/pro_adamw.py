@@ -31,7 +31,8 @@ from precond.jax._core.guards import (
     is_params_placeholder,
 )
 from precond.jax._core.step_policy import state_unless_skipped, step_is_usable
-from precond.jax.kron.pro import PRO_ARGUMENT_CHECKS, PRO_STATIC_ARGS, pro
+from precond.jax.kron._pro_config import PRO_ARGUMENT_CHECKS, PRO_STATIC_ARGS
+from precond.jax.kron.pro import pro
 from precond.jax.kron.transform import precond_update_prob_schedule
 
 # The labels of optax.multi_transform: Pro's part and AdamW's.
@@ -100,6 +101,12 @@ def _path_names(path) -> list[str]:
 def pro_adamw_hidden_matrices(params: Any) -> Any:
     """The default split of :func:`pro_adamw`: a tree of bools like ``params``,
     True for the hidden-layer weight matrices (see ``preconditioned`` there).
+
+    Args:
+        params: the parameters (arrays, ``jax.ShapeDtypeStruct``s or flax boxes).
+
+    Returns:
+        A tree of bools like ``params``.
 
     Example:
         >>> params = {"embed": jnp.zeros((10, 4)), "mlp": jnp.zeros((4, 4)),
@@ -235,30 +242,30 @@ def pro_adamw(
     U = m̂/(√v̂ + ε), c = 1 on the rest. A step with an unusable gradient
     anywhere changes no state and moves θ by weight decay alone.
 
+    Complex parameters train in AdamW's part; pro's refuses them at ``init``.
+
     Args:
-        learning_rate: AdamW's rate lr (a float or a schedule of the step);
-            pro's is ``pro_lr_multiplier`` times it.
+        learning_rate: AdamW's rate lr (a float or a schedule of the step); pro's is
+            ``pro_lr_multiplier`` times it.
         b1: pro's momentum coefficient in [0, 1) (bias-corrected).
         adam_b1: AdamW's first-moment decay β₁.
         adam_b2: AdamW's second-moment decay β₂.
         adam_eps: AdamW's ε, added to √v̂.
         weight_decay: decoupled weight decay λ of both parts.
-        pro_lr_multiplier: pro's rate over AdamW's (pro runs with
-            ``lr_style='adam'``, which divides its update by 5).
+        pro_lr_multiplier: pro's rate over AdamW's (pro runs with ``lr_style='adam'``,
+            which divides its update by 5).
         preconditioned: which leaves pro takes. None: the default rule
-            (:func:`pro_adamw_hidden_matrices`), leaves of at least 2
-            dimensions whose path names no embedding (a word starting with
-            'emb' in any name) and, in its first name or last two, no
-            position table or output head ('wte', 'wpe', 'pos', 'position',
-            'positional', 'head', 'logits', 'output', 'classifier',
-            'readout'). Else a pytree of bools (a prefix of the params' tree)
-            or a callable of the params returning one, True for pro's
-            leaves. AdamW takes the others.
+            (:func:`pro_adamw_hidden_matrices`), leaves of at least 2 dimensions whose
+            path names no embedding (a word starting with 'emb' in any name) and, in its
+            first name or last two, no position table or output head ('wte', 'wpe',
+            'pos', 'position', 'positional', 'head', 'logits', 'output', 'classifier',
+            'readout'). Else a pytree of bools (a prefix of the params' tree) or a
+            callable of the params returning one, True for pro's leaves. AdamW takes the
+            others.
         preconditioner_update_style: pro's fit, 'QEQ', 'PRO' or 'QUAD'.
-        preconditioner_update_probability: p, or a schedule p(step): the
-            factors are fitted once 1/p steps have passed since the last fit;
-            None for ``precond_update_prob_schedule(min_prob=0.2,
-            decay=0.005, flat_start=200)``.
+        preconditioner_update_probability: p, or a schedule p(step): the factors are
+            fitted once 1/p steps have passed since the last fit; None for
+            ``precond_update_prob_schedule(min_prob=0.2, decay=0.005, flat_start=200)``.
         preconditioner_lr: the fit's step size η (over the Lipschitz estimate).
         preconditioner_init_scale: every factor starts as this times identity.
         normalize_grads: divide each of pro's momentum tensors by its norm first.
@@ -268,7 +275,10 @@ def pro_adamw(
         dtype: float32 or bfloat16, of pro's momentum and factors.
         draws: 'distributed_kron' or 'compact' (see :func:`precond.jax.pro`).
 
-    Complex parameters train in AdamW's part; pro's refuses them at ``init``.
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``: an ``optax.multi_transform`` of
+        :func:`pro` on the preconditioned parameters and ``optax.adamw`` on the rest,
+        both skipping a step together.
 
     Example:
         >>> optimizer = pro_adamw(learning_rate=3e-3)

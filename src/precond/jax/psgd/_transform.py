@@ -15,7 +15,7 @@ all of them:
    (1−β₁)g/(1−β₁ⁿ)).
 3. U = P·m̂, clipped to the global norm ``update_global_norm_clip``.
 
-Counting and skipping follow the JAX step policy (:mod:`._step_policy`): a step
+Counting and skipping follow the JAX step policy (:mod:`step_policy`): a step
 whose gradient (or Hvp) is unusable (a NaN or ±Inf entry, or a squared norm that
 overflows) returns zeros and leaves the state unchanged, count included, but
 for its count of skipped steps; a fit that still overflows keeps the old
@@ -90,7 +90,16 @@ DEFAULT_SEED = 36  # psgd-jax's PRNGKey(36)
 
 
 class PSGDState(NamedTuple):
-    """State of :func:`scale_by_psgd` (XMat, LRA, Affine): arrays only."""
+    """State of :func:`scale_by_psgd` (XMat, LRA, Affine): arrays only.
+
+    Attributes:
+        count: int32 scalar: the steps taken.
+        key: the PRNG key of the update decisions and the noise.
+        mu: the momentum, a tree like the params; None when b1 == 0.
+        preconditioner: the variant's factors of Q (a NamedTuple of arrays).
+        updates: int32 scalar: the preconditioner fits so far.
+        skipped: int32 scalar: the steps skipped for unusable gradients.
+    """
 
     count: jax.Array  # shape=(), int32: steps taken
     key: jax.Array  # PRNG key (uint32[2]): the update decisions and noise
@@ -259,7 +268,7 @@ PSGD_ARGUMENT_CHECKS = {
     "seed": lambda name, value: check_seed(value),
     "mu_dtype": check_momentum_dtype,
     "precision": functools.partial(check_choice, choices=MATMUL_PRECISIONS),
-    # Keyword-only, precond's (see _psgd_placement).
+    # Keyword-only, precond's (see psgd._placement).
     "params_partition_specs": checked_at_init,
     "preconditioner_partition_spec": check_partition_spec,
     "mesh": check_mesh,
@@ -357,7 +366,7 @@ def init_psgd_state(
 
 def placed_state(state: PSGDState, plan) -> PSGDState:
     """``state`` with m placed as the params and the factors split (and padded)
-    as ``plan`` says (:mod:`._psgd_placement`); as it is without a plan."""
+    as ``plan`` says (:mod:`psgd._placement`); as it is without a plan."""
     if plan is None:
         return state
     return state._replace(
@@ -491,7 +500,7 @@ def scale_by_psgd(
     mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The PSGD transformation around ``preconditioner`` (see the module docstring),
-    its state placed on a mesh by :mod:`._psgd_placement`. Checks the shared
+    its state placed on a mesh by :mod:`psgd._placement`. Checks the shared
     arguments (:data:`PSGD_ARGUMENT_CHECKS`) at construction; ``step_normalizer_order``
     and ``precision`` only here (the caller's preconditioner uses them)."""
     arguments = dict(locals())  # first: locals() = the arguments

@@ -330,13 +330,23 @@ def scale_by_lra(
         mu_dtype: momentum dtype (default the gradients').
         precision: matmul precision of the fit and of P·m̂ (a
             ``jax.default_matmul_precision`` name; None: JAX's default).
-        balance_method: how a fit (with probability 0.01) rebalances U and V
-            without changing Q: 'gauge' (:func:`lra_balance`, UᵀU = VᵀV) or
-            'norm' (psgd-jax's U/ρ, V·ρ, :func:`lra_scale_balance`).
-        params_partition_specs, preconditioner_partition_spec, mesh: keyword
-            only, precond's: the state on a mesh (default: the context mesh).
-            Momentum follows the params; U, V (n × r) and d (n) are split
-            over the spec's axes, zero-padded (the math is the unsharded one).
+        balance_method: how a fit (with probability 0.01) rebalances U and V without
+            changing Q: 'gauge' (:func:`lra_balance`, UᵀU = VᵀV) or 'norm' (psgd-jax's
+            U/ρ, V·ρ, :func:`lra_scale_balance`).
+        params_partition_specs: keyword only, precond's: the state on a mesh (default:
+            the context mesh). Momentum follows the params; U, V (n × r) and d (n) are
+            split over the spec's axes, zero-padded (the math is the unsharded one).
+        preconditioner_partition_spec: keyword only, precond's: the state on a mesh
+            (default: the context mesh). Momentum follows the params; U, V (n × r) and d
+            (n) are split over the spec's axes, zero-padded (the math is the unsharded
+            one).
+        mesh: keyword only, precond's: the state on a mesh (default: the context mesh).
+            Momentum follows the params; U, V (n × r) and d (n) are split over the
+            spec's axes, zero-padded (the math is the unsharded one).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose state is a
+        :class:`~precond.jax.PSGDState`.
 
     References:
         Li, "Black box Lie group preconditioners for SGD", arXiv:2211.04422.
@@ -393,6 +403,41 @@ def low_rank_approximation(
     part of P·g, a descent direction for them). As for every optax optimizer, pass
     conjugated gradients, ``jax.tree.map(jnp.conj, jax.grad(loss)(params))`` (why:
     :func:`precond.jax.hessian_helper`, which returns them so).
+
+    Args:
+        learning_rate: the step size lr > 0, or a schedule of the step count.
+        preconditioner_update_probability: probability of fitting Q each step.
+        b1: momentum decay in [0, 1); 0 keeps no momentum.
+        nesterov: Nesterov momentum.
+        weight_decay: decoupled weight decay λ >= 0, added as λ·θ before the learning
+            rate.
+        mask: a pytree of bools like the params (or a callable of the params returning
+            one) selecting the parameters that decay; None decays all.
+        uvd_rank_of_approximation: rank r of U and V (at most n is used).
+        precond_lr: step size η of the fit (float or schedule of the step).
+        precond_init_scale: initial d = s (Q ≈ s·I); None: scaled from the first fit.
+        update_global_norm_clip: clip U to this global norm (None: no clip).
+        step_normalizer_order: '2nd' or '1st' (see :func:`lra_update`).
+        seed: PRNG key or int (default psgd-jax's PRNGKey(36)), kept in the state.
+        mu_dtype: momentum dtype (default the gradients').
+        precision: matmul precision of the fit and of P·m̂ (a
+            ``jax.default_matmul_precision`` name; None: JAX's default).
+        balance_method: how a fit (with probability 0.01) rebalances U and V without
+            changing Q: 'gauge' (:func:`lra_balance`, UᵀU = VᵀV) or 'norm' (psgd-jax's
+            U/ρ, V·ρ, :func:`lra_scale_balance`).
+        params_partition_specs: keyword only, precond's: a PartitionSpec (or None) per
+            parameter, a pytree like the params; the momentum follows it. None: read
+            from the params' types on a mesh with Explicit axes, else replicated.
+        preconditioner_partition_spec: keyword only, precond's: the mesh axes that split
+            U, V (n × r) and d (n), zero-padded to a multiple of their size (the math is
+            the unsharded one); None replicates them.
+        mesh: keyword only, precond's: the mesh the specs name; None: the context mesh
+            (``jax.set_mesh``).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``: the chain of :func:`scale_by_lra`,
+        the decay and the learning rate; its state is ``(core state, learning-rate
+        state)``.
 
     Example:
         >>> optimizer = low_rank_approximation(learning_rate=0.01)

@@ -154,12 +154,22 @@ def scale_by_xmat(
         step_normalizer_order: '2nd' or '1st' (see :func:`xmat_update`).
         seed: PRNG key or int (default psgd-jax's PRNGKey(36)), kept in the state.
         mu_dtype: momentum dtype (default the gradients').
-        precision: matmul precision (accepted for psgd-jax compatibility; XMat
-            has only elementwise work).
-        params_partition_specs, preconditioner_partition_spec, mesh: keyword
-            only, precond's: the state on a mesh (default: the context mesh).
-            Momentum follows the params; a and b (n entries each) are split
-            over the spec's axes, zero-padded (the math is the unsharded one).
+        precision: matmul precision (accepted for psgd-jax compatibility; XMat has only
+            elementwise work).
+        params_partition_specs: keyword only, precond's: the state on a mesh (default:
+            the context mesh). Momentum follows the params; a and b (n entries each) are
+            split over the spec's axes, zero-padded (the math is the unsharded one).
+        preconditioner_partition_spec: keyword only, precond's: the state on a mesh
+            (default: the context mesh). Momentum follows the params; a and b (n entries
+            each) are split over the spec's axes, zero-padded (the math is the unsharded
+            one).
+        mesh: keyword only, precond's: the state on a mesh (default: the context mesh).
+            Momentum follows the params; a and b (n entries each) are split over the
+            spec's axes, zero-padded (the math is the unsharded one).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose state is a
+        :class:`~precond.jax.PSGDState`.
 
     Example, after gradient clipping, with a fixed rate:
         >>> import optax
@@ -208,6 +218,37 @@ def xmat(
     part of P·g, a descent direction for them). As for every optax optimizer, pass
     conjugated gradients, ``jax.tree.map(jnp.conj, jax.grad(loss)(params))`` (why:
     :func:`precond.jax.hessian_helper`, which returns them so).
+
+    Args:
+        learning_rate: the step size lr > 0, or a schedule of the step count.
+        preconditioner_update_probability: probability of fitting Q each step.
+        b1: momentum decay in [0, 1); 0 keeps no momentum.
+        nesterov: Nesterov momentum.
+        weight_decay: decoupled weight decay λ >= 0, added as λ·θ before the learning
+            rate.
+        mask: a pytree of bools like the params (or a callable of the params returning
+            one) selecting the parameters that decay; None decays all.
+        precond_lr: step size η of the fit (float or schedule of the step).
+        precond_init_scale: initial Q = s·I; None: scaled from the first fit.
+        update_global_norm_clip: clip U to this global norm (None: no clip).
+        step_normalizer_order: '2nd' or '1st' (see :func:`xmat_update`).
+        seed: PRNG key or int (default psgd-jax's PRNGKey(36)), kept in the state.
+        mu_dtype: momentum dtype (default the gradients').
+        precision: matmul precision (accepted for psgd-jax compatibility; XMat has only
+            elementwise work).
+        params_partition_specs: keyword only, precond's: a PartitionSpec (or None) per
+            parameter, a pytree like the params; the momentum follows it. None: read
+            from the params' types on a mesh with Explicit axes, else replicated.
+        preconditioner_partition_spec: keyword only, precond's: the mesh axes that split
+            a and b (n entries each), zero-padded to a multiple of their size (the math
+            is the unsharded one); None replicates them.
+        mesh: keyword only, precond's: the mesh the specs name; None: the context mesh
+            (``jax.set_mesh``).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``: the chain of
+        :func:`scale_by_xmat`, the decay and the learning rate; its state is ``(core
+        state, learning-rate state)``.
 
     Example:
         >>> optimizer = xmat(learning_rate=0.01)

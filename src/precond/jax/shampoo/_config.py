@@ -15,12 +15,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from precond._common.validation import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_real,
-)
+from precond._common.validation import check_bool, check_choice, check_int, check_real
 from precond.jax._core.argument_trees import check_mesh, check_partition_specs_tree
 
 
@@ -268,7 +263,7 @@ ARGUMENT_CHECKS = {
     "quantize_statistics": _optional(check_bool),
     "sharded_init_fns": check_bool,
     "precondition_with_previous_roots": _optional(check_bool),
-    # Keyword-only, precond's (see _shampoo_placement).
+    # Keyword-only, precond's (see shampoo._placement).
     "params_partition_specs": check_partition_specs_tree,
     "mesh": check_mesh,
 }

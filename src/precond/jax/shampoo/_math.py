@@ -68,6 +68,13 @@ def power_iteration(
     ``num_iters`` iterations. The start vector is fixed (deterministic on every
     device), uniform in [-1, 1] per entry.
 
+    Args:
+        matrix: (n, n) symmetric PSD matrix.
+        num_iters: the most iterations.
+        error_tolerance: stop once the error (the eigenvalue's move, for power
+            iteration) is at most this.
+        precision: ``lax.Precision`` of the matrix products.
+
     Returns:
         The unit eigenvector and the eigenvalue estimate, in ``matrix.dtype``.
 
@@ -188,6 +195,15 @@ def matrix_inverse_pth_root(
     Args:
         matrix: (n, n) symmetric PSD matrix.
         p: the root, a static Python int >= 1.
+        num_iters: the most iterations.
+        ridge_epsilon: ε of the ridge ε'.
+        error_tolerance: stop once the error (the eigenvalue's move, for power
+            iteration) is at most this.
+        precision: ``lax.Precision`` of the matrix products.
+        relative_matrix_epsilon: the ridge is ε·max(λ_max, 1e-6) (True) or ε (False).
+        lobpcg_topk_precondition: k > 0 deflates the k largest eigenpairs first (0:
+            none).
+        lobpcg_max_iter: LOBPCG iterations (0: k).
 
     Returns:
         (H, e): the root in ``matrix.dtype`` and the final error max|M − I|
@@ -313,6 +329,13 @@ def matrix_inverse_pth_root_eigh(
     condition number. Runs in float64 when x64 is enabled; entries above 2^32
     are scaled down by a power of two first, as in :func:`matrix_inverse_pth_root`.
 
+    Args:
+        matrix: (n, n) symmetric PSD matrix.
+        p: the root, a static Python int >= 1.
+        ridge_epsilon: ε of the ridge ε'.
+        precision: ``lax.Precision`` of the matrix products.
+        relative_matrix_epsilon: the ridge is ε·max(λ_max, 1e-6) (True) or ε (False).
+
     Returns:
         (H, e): the root in ``matrix.dtype`` and the decomposition's relative
         residual e = max|U·diag(λ)·Uᵀ − A| / max(λ_max, 1e-30) (float32; NaN when
@@ -341,6 +364,11 @@ class QuantizedArray(NamedTuple):
 
     ``dequantize`` gives values·scales (+ diag(diagonal)). Symmetric matrices keep
     their diagonal apart in float32 (it dominates and would waste the range).
+
+    Attributes:
+        values: (..., m, n) int8 or int16.
+        scales: (..., n) float32: max|column| / 127 or / 32767.
+        diagonal: (..., n) float32, or None.
     """
 
     values: jax.Array  # (..., m, n) int8 or int16

@@ -6,7 +6,7 @@ the params) follow their parameter's sharding, as in
 its values and scales as that function says). The parameters' specs come from
 the keyword-only ``params_partition_specs`` (with ``mesh``, or the context mesh
 of ``jax.set_mesh``), or else from the params' types on a mesh with Explicit
-axes (``jax.typeof(x).sharding``), as Kron's (:mod:`._kron_sharding`). The
+axes (``jax.typeof(x).sharding``), as Kron's (:mod:`mesh_placement`). The
 statistics and roots stacks are placed by ``statistics_partition_spec`` (with
 ``shard_optimizer_states``), the step count and the root errors (a few floats
 per parameter) replicate. Without specs, nothing is placed: XLA decides.

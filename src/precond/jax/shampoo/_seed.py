@@ -33,7 +33,16 @@ from precond.jax.shampoo._state import (
 
 class ParameterStats(NamedTuple):
     """One parameter's state in the seed's per-parameter layout (a read-only
-    view made by ``seed_parameter_stats``; arrays in float32)."""
+    view made by ``seed_parameter_stats``; arrays in float32).
+
+    Attributes:
+        diagonal_statistics: like the parameter, or None.
+        statistics: per block (row-major over the block grid), per axis: (n, n).
+        preconditioners: the inverse roots, in the same order: (n, n).
+        diagonal_momentum: like the parameter, or None (SQRT_N shares the momentum).
+        momentum: like the parameter.
+        training_metrics: the :class:`TrainingMetrics` of this parameter's statistics.
+    """
 
     diagonal_statistics: Any  # like the param, or None
     statistics: list  # per block (row-major over the block grid), per axis: (n, n)
@@ -49,6 +58,11 @@ class SeedShampooState(NamedTuple):
     ``stats`` is a tree like the params of :class:`ParameterStats` (the seed's
     or 0.0.6's own objects, members possibly their ``QuantizedValue``), or the
     sharded mode's ``ShardedShampooStats(global_stats, local_stats)``.
+
+    Attributes:
+        count: integer scalar: the steps taken.
+        stats: a tree like the params of :class:`ParameterStats`, or the sharded mode's
+            ``ShardedShampooStats``.
     """
 
     count: Any  # [] int: steps taken

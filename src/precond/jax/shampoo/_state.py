@@ -1,7 +1,7 @@
 """Shampoo's state: its containers, how its arrays are stored and sharded, init.
 
 Per-parameter buffers are trees like the params; statistics and roots are
-(K, n, n) stacks (see ``_shampoo_layout``). In memory mode momenta are int8 and
+(K, n, n) stacks (see ``shampoo._layout``). In memory mode momenta are int8 and
 stacks int16 (:class:`~precond.jax.shampoo._math.QuantizedArray`): :func:`load`
 and :func:`store` convert. Stacks may be split over devices by their rows.
 """
@@ -26,7 +26,14 @@ from precond.jax.shampoo._math import QuantizedArray, dequantize, quantize
 
 
 class TrainingMetrics(NamedTuple):
-    """What the optimizer reports about itself; a field of :class:`ShampooState`."""
+    """What the optimizer reports about itself; a field of :class:`ShampooState`.
+
+    Attributes:
+        inverse_pth_root_errors: per parameter, float32 (max(statistics, 1),): the error
+            max|H^p·A − I| of each statistic's latest inverse root (NaN or >=
+            ``inverse_failure_threshold``: the root failed and the previous one was
+            kept).
+    """
 
     # Per parameter: (max(statistics, 1),) float32, max|H^p·A − I| of each
     # statistic's latest inverse root (NaN or >= inverse_failure_threshold: the
@@ -39,7 +46,15 @@ class InitFnState(NamedTuple):
     ``init_fn(params)`` gives the state, ``pspec_fn(params, params_partition_spec,
     partition_spec_for_statistics=None)`` its partition specs (for
     ``jax.jit(init_fn, out_shardings=...)``) and ``shape_and_dtype_fn(params)``
-    its shapes and dtypes."""
+    its shapes and dtypes.
+
+    Attributes:
+        init_fn: ``init_fn(params)``: the state.
+        pspec_fn: ``pspec_fn(params, params_partition_spec,
+            partition_spec_for_statistics=None)``: the state's partition specs.
+        shape_and_dtype_fn: ``shape_and_dtype_fn(params)``: the state's shapes and
+            dtypes.
+    """
 
     init_fn: Callable
     pspec_fn: Callable
@@ -51,6 +66,18 @@ class ShampooState(NamedTuple):
 
     Per-parameter fields are trees like the params (``None`` where a grafting
     type has no such buffer); the statistics of all parameters are stacked.
+
+    Attributes:
+        count: int32 scalar: the steps taken.
+        momentum: like the params, float32 (an int8 :class:`QuantizedArray` in memory
+            mode).
+        diagonal_momentum: like the params: the grafting momentum (None for SQRT_N).
+        diagonal_statistics: like the params: the AdaGrad/RMSProp accumulator, or None.
+        statistics: per (n, p) stack: (K, n, n) moving averages of the grams.
+        preconditioners: per (n, p) stack: (K, n, n) inverse p-th roots.
+        training_metrics: a :class:`TrainingMetrics`, or ``optax.MaskedNode()`` without
+            ``generate_training_metrics``.
+        skipped: int32 scalar: the steps skipped for unusable gradients.
     """
 
     count: jax.Array  # [] int32: steps taken

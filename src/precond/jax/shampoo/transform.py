@@ -13,10 +13,10 @@ rate) and ``distributed_shampoo`` the alias with Google's signature, as optax's
 ``scale_by_adam`` and ``adam``. Every statistic of every parameter lives in one
 stack per (size, exponent), so the inverse roots of all of them run as one
 vmapped program, which a partition spec or a ``batch_axis_name`` spreads over
-devices. Modules: ``_shampoo_config`` (argument checks), ``_shampoo_layout``
-(blocks and stacks), ``_shampoo_state`` (state, storage, init),
-``_shampoo_transform`` (the step), ``_shampoo_seed`` (the seed's layout),
-``_shampoo_math`` (matrix kernels).
+devices. Modules: ``shampoo._config`` (argument checks), ``shampoo._layout``
+(blocks and stacks), ``shampoo._state`` (state, storage, init),
+``shampoo._update`` (the step), ``shampoo._seed`` (the seed's layout),
+``shampoo._math`` (matrix kernels).
 
 At step t (0-based), for each parameter W, gradient G, block b and axis k:
 
@@ -52,108 +52,8 @@ refuses, when it is traced, a state whose structure or shapes (and dtypes,
 when ``params`` are given) differ from what ``init`` gives for these
 parameters, e.g. another model's checkpoint, naming the first such leaf.
 
-Arguments (of ``distributed_shampoo``; ``scale_by_shampoo`` has all but
-``learning_rate``, ``decoupled_learning_rate``, ``decoupled_weight_decay`` and
-``sharded_init_fns``):
-
-    learning_rate: step size, or a schedule of the step count t.
-    block_size: axes longer than this are cut into blocks of this size (the
-        last one shorter); 0 keeps axes whole. Small adjacent dims are merged
-        up to this size first (``best_effort_shape_interpretation``).
-    beta1: momentum.
-    beta2: EMA factor of the statistics (and of RMSProp grafting); 1 sums them.
-    diagonal_epsilon: ε of AdaGrad/RMSProp grafting: G/(√D + ε).
-    matrix_epsilon: relative ridge: roots of S + ε·max(λ_max(S), 1e-6)·I.
-    weight_decay: λ, added to both directions before momentum (coupled).
-    start_preconditioning_step: steps before this one use the grafting
-        method alone (the statistics are still accumulated).
-    preconditioning_compute_steps: recompute the roots every this many steps.
-    statistics_compute_steps: update the statistics every this many steps.
-    best_effort_shape_interpretation: merge small adjacent dims, e.g.
-        (1, 2, 512, 1, 2048, 1, 3, 4) → (1024, 2048, 12) for block 1024.
-    graft_type: a :class:`GraftingType`.
-    nesterov: Nesterov momentum.
-    exponent_override: p of the inverse roots if > 0, else 2·rank.
-    batch_axis_name: the mapped axis name when this runs inside ``shard_map``
-        or ``pmap`` data parallelism: the root computation is split over that
-        axis and all-gathered. Gradients must already be averaged over it
-        (``lax.pmean``), as with the optimizer this replaces.
-    statistics_partition_spec: sharding of the stored (K, n, n) stacks of
-        statistics and roots with ``shard_optimizer_states`` (ignored
-        without it, as in Google's code).
-    preconditioner_partition_spec: sharding of the stacks while their roots
-        are computed: split the leading axis so each device computes its
-        share, e.g. ``PartitionSpec('data', None, None)``. Needs an active mesh
-        (``jax.set_mesh``) unless given as a ``NamedSharding``.
-    num_devices_for_pjit: stacks are padded to a multiple of this (default:
-        ``jax.device_count()``) when a partition spec is given.
-    shard_optimizer_states: store the stacks sharded by
-        ``statistics_partition_spec`` (defaults to the preconditioner spec).
-    best_effort_memory_usage_reduction: momenta of rank > 1 parameters in int8,
-        statistics and roots in int16 with their diagonals in float32 (per
-        column scales; see ``quantize`` in ``_shampoo_math``), the int16
-        part only with ``batch_axis_name`` as Google's (see
-        ``quantize_statistics``).
-    inverse_failure_threshold: roots with a larger error are rejected.
-    moving_average_for_momentum: w = 1 − β1 instead of 1.
-    skip_preconditioning_dim_size_gt: parameters with a dim larger than this
-        (before merging and blocking), and scalars, use the grafting step.
-    clip_by_scaled_gradient_norm: with RMSProp grafting, divide u_g by
-        max(1, RMS(u_g)/clip).
-    precision: ``lax.Precision`` of the matrix products (or 'default',
-        'high', 'highest').
-    tensordot_precision: precision of the statistics' products; None uses
-        ``precision`` (Google's code uses the backend default for them).
-    relative_matrix_epsilon: the ridge is ε·max(λ_max, 1e-6); False: ε.
-    merge_small_dims_block_size: merge small dims up to this size; None
-        (default) merges up to ``block_size`` as the seed revision does
-        (Google's 0.0.6 defaults to 4096).
-    lobpcg_topk_precondition: k > 0 deflates the k largest eigenpairs of each
-        statistic (LOBPCG) before its Newton root and restores them after;
-        statistics with at most 5k rows are rooted as they are.
-    lobpcg_max_iter: LOBPCG iterations (0: k).
-    precondtioner_type: a :class:`PreconditionerType` (Google's spelling):
-        ALL axes, INPUT (all but the last) or OUTPUT (the last only); p is
-        twice the number of preconditioned axes.
-    skip_preconditioning_rank_lt: parameters of lower rank take the grafting
-        step alone.
-    decoupled_learning_rate: lr scales the final update (True, the seed's
-        behaviour) or the directions before momentum (False).
-    decoupled_weight_decay: add lr·λ·W after momentum (scaled by lr again
-        when the learning rate is decoupled, as Google's code) instead of
-        λ·W before it.
-    generate_training_metrics: keep ``training_metrics`` (else it is an
-        ``optax.MaskedNode``).
-    reuse_preconditioner: accepted for Google's current code, where it hands
-        each previous root to the inverse-root routine as a warm start that
-        the routine then discards; results are the same either way, and
-        precond computes every root from the statistic alone.
-    eigh: compute roots by an eigendecomposition instead of coupled Newton.
-    separate_grafting_momentum: with SQRT_N grafting, keep a grafting
-        momentum of its own, as Google's 0.0.6 does (the seed shares one).
-    quantize_statistics: store statistics and roots in int16 (with
-        ``best_effort_memory_usage_reduction``); None: only with
-        ``batch_axis_name``, where Google's code does.
-    sharded_init_fns: with ``shard_optimizer_states``, ``init`` returns the
-        seed's :class:`InitFnState` triple (ignoring its argument); False:
-        ``init(params)`` returns the state itself.
-    precondition_with_previous_roots: precondition step t with the roots
-        computed at step t − 1 (and store step t's for the next step), as
-        Google's sharded mode does; None (default): only with
-        ``shard_optimizer_states``, as Google's code. False with
-        ``shard_optimizer_states`` gives the same steps as unsharded.
-    params_partition_specs: keyword only, precond's: a PartitionSpec (or None)
-        per parameter, a pytree like the params. ``init`` (under ``jax.jit``,
-        no ``out_shardings`` needed) places the momentum, grafting momentum
-        and grafting accumulator of each parameter as its spec says, and
-        ``update`` keeps them (and the updates) there; the stacks follow
-        ``statistics_partition_spec`` with ``shard_optimizer_states``, the
-        rest (count, root errors) replicates. None (default): taken from the
-        params' types on a mesh with Explicit axes (``jax.typeof(x).sharding``),
-        else nothing is placed (XLA decides, as Google's code).
-    mesh: keyword only, precond's: the ``jax.sharding.Mesh`` that
-        ``params_partition_specs`` names; None: the context mesh
-        (``jax.set_mesh``).
+Arguments are documented on :func:`distributed_shampoo` and
+:func:`scale_by_shampoo`, where ``help()`` and the docs site show them.
 
 References:
     V. Gupta, T. Koren, Y. Singer, *Shampoo: Preconditioned Stochastic Tensor
@@ -164,8 +64,6 @@ References:
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -189,8 +87,6 @@ from precond.jax.shampoo._placement import check_stack_specs, placed_state
 from precond.jax.shampoo._seed import (
     ParameterStats,
     SeedShampooState,
-    parameter_stats_view,
-    state_from_seed,
 )
 from precond.jax.shampoo._state import (
     InitFnState,
@@ -198,9 +94,9 @@ from precond.jax.shampoo._state import (
     TrainingMetrics,
     init_state,
     sharded_in_types,
-    state_partition_specs,
 )
 from precond.jax.shampoo._update import shampoo_update
+from precond.jax.shampoo.state_views import _seed_init_fns
 
 __all__ = [
     "SCALE_BY_SHAMPOO_STATIC_ARGS",
@@ -213,11 +109,7 @@ __all__ = [
     "ShampooState",
     "TrainingMetrics",
     "distributed_shampoo",
-    "distributed_shampoo_partition_specs",
-    "distributed_shampoo_state_shapes",
     "scale_by_shampoo",
-    "seed_parameter_stats",
-    "shampoo_state_from_seed",
 ]
 
 
@@ -266,10 +158,10 @@ def scale_by_shampoo(
     """Distributed Shampoo's direction v (the module docstring's update, without
     −lr), for ``optax.chain`` with a learning rate, schedule, clip or mask.
 
-    Its arguments are ``distributed_shampoo``'s (the module docstring documents
-    them) without the four that involve the learning rate: weight decay here
-    is the coupled λ·W added before momentum (chain ``optax.add_decayed_weights``
-    for a decoupled one), ``init`` returns the state itself, and
+    Its arguments are ``distributed_shampoo``'s without the four that involve the
+    learning rate: weight decay here is the coupled λ·W added before momentum
+    (chain ``optax.add_decayed_weights`` for a decoupled one), ``init`` returns
+    the state itself, and
     ``SCALE_BY_SHAMPOO_STATIC_ARGS`` are static under ``optax.inject_hyperparams``.
     Its state is ``distributed_shampoo``'s, and for float32 (or float64)
     parameters, with the default decoupled learning rate and no decoupled
@@ -279,6 +171,99 @@ def scale_by_shampoo(
     skipped step, see the module docstring, ``distributed_shampoo``'s schedule
     stays on the steps taken while optax's counts every call). For bfloat16 or
     float16 parameters the alias rounds −lr·v once, the chain v and then −lr·v.
+
+    Args:
+        block_size: axes longer than this are cut into blocks of this size (the last one
+            shorter); 0 keeps axes whole. Small adjacent dims are merged up to this size
+            first (``best_effort_shape_interpretation``).
+        beta1: momentum.
+        beta2: EMA factor of the statistics (and of RMSProp grafting); 1 sums them.
+        diagonal_epsilon: ε of AdaGrad/RMSProp grafting: G/(√D + ε).
+        matrix_epsilon: relative ridge: roots of S + ε·max(λ_max(S), 1e-6)·I.
+        weight_decay: λ, added to both directions before momentum (coupled).
+        start_preconditioning_step: steps before this one use the grafting method alone
+            (the statistics are still accumulated).
+        preconditioning_compute_steps: recompute the roots every this many steps.
+        statistics_compute_steps: update the statistics every this many steps.
+        best_effort_shape_interpretation: merge small adjacent dims, e.g. (1, 2, 512, 1,
+            2048, 1, 3, 4) → (1024, 2048, 12) for block 1024.
+        graft_type: a :class:`GraftingType`.
+        nesterov: Nesterov momentum.
+        exponent_override: p of the inverse roots if > 0, else 2·rank.
+        batch_axis_name: the mapped axis name when this runs inside ``shard_map`` or
+            ``pmap`` data parallelism: the root computation is split over that axis and
+            all-gathered. Gradients must already be averaged over it (``lax.pmean``), as
+            with the optimizer this replaces.
+        statistics_partition_spec: sharding of the stored (K, n, n) stacks of statistics
+            and roots with ``shard_optimizer_states`` (ignored without it, as in
+            Google's code).
+        preconditioner_partition_spec: sharding of the stacks while their roots are
+            computed: split the leading axis so each device computes its share, e.g.
+            ``PartitionSpec('data', None, None)``. Needs an active mesh
+            (``jax.set_mesh``) unless given as a ``NamedSharding``.
+        num_devices_for_pjit: stacks are padded to a multiple of this (default:
+            ``jax.device_count()``) when a partition spec is given.
+        shard_optimizer_states: store the stacks sharded by
+            ``statistics_partition_spec`` (defaults to the preconditioner spec).
+        best_effort_memory_usage_reduction: momenta of rank > 1 parameters in int8,
+            statistics and roots in int16 with their diagonals in float32 (per column
+            scales; see ``quantize`` in ``shampoo._math``), the int16 part only with
+            ``batch_axis_name`` as Google's (see ``quantize_statistics``).
+        inverse_failure_threshold: roots with a larger error are rejected.
+        moving_average_for_momentum: w = 1 − β1 instead of 1.
+        skip_preconditioning_dim_size_gt: parameters with a dim larger than this (before
+            merging and blocking), and scalars, use the grafting step.
+        clip_by_scaled_gradient_norm: with RMSProp grafting, divide u_g by max(1,
+            RMS(u_g)/clip).
+        precision: ``lax.Precision`` of the matrix products (or 'default', 'high',
+            'highest').
+        tensordot_precision: precision of the statistics' products; None uses
+            ``precision`` (Google's code uses the backend default for them).
+        relative_matrix_epsilon: the ridge is ε·max(λ_max, 1e-6); False: ε.
+        merge_small_dims_block_size: merge small dims up to this size; None (default)
+            merges up to ``block_size`` as the seed revision does (Google's 0.0.6
+            defaults to 4096).
+        lobpcg_topk_precondition: k > 0 deflates the k largest eigenpairs of each
+            statistic (LOBPCG) before its Newton root and restores them after;
+            statistics with at most 5k rows are rooted as they are.
+        lobpcg_max_iter: LOBPCG iterations (0: k).
+        precondtioner_type: a :class:`PreconditionerType` (Google's spelling): ALL axes,
+            INPUT (all but the last) or OUTPUT (the last only); p is twice the number of
+            preconditioned axes.
+        skip_preconditioning_rank_lt: parameters of lower rank take the grafting step
+            alone.
+        generate_training_metrics: keep ``training_metrics`` (else it is an
+            ``optax.MaskedNode``).
+        reuse_preconditioner: accepted for Google's current code, where it hands each
+            previous root to the inverse-root routine as a warm start that the routine
+            then discards; results are the same either way, and precond computes every
+            root from the statistic alone.
+        eigh: compute roots by an eigendecomposition instead of coupled Newton.
+        separate_grafting_momentum: with SQRT_N grafting, keep a grafting momentum of
+            its own, as Google's 0.0.6 does (the seed shares one).
+        quantize_statistics: store statistics and roots in int16 (with
+            ``best_effort_memory_usage_reduction``); None: only with
+            ``batch_axis_name``, where Google's code does.
+        precondition_with_previous_roots: precondition step t with the roots computed at
+            step t − 1 (and store step t's for the next step), as Google's sharded mode
+            does; None (default): only with ``shard_optimizer_states``, as Google's
+            code. False with ``shard_optimizer_states`` gives the same steps as
+            unsharded.
+        params_partition_specs: keyword only, precond's: a PartitionSpec (or None) per
+            parameter, a pytree like the params. ``init`` (under ``jax.jit``, no
+            ``out_shardings`` needed) places the momentum, grafting momentum and
+            grafting accumulator of each parameter as its spec says, and ``update``
+            keeps them (and the updates) there; the stacks follow
+            ``statistics_partition_spec`` with ``shard_optimizer_states``, the rest
+            (count, root errors) replicates. None (default): taken from the params'
+            types on a mesh with Explicit axes (``jax.typeof(x).sharding``), else
+            nothing is placed (XLA decides, as Google's code).
+        mesh: keyword only, precond's: the ``jax.sharding.Mesh`` that
+            ``params_partition_specs`` names; None: the context mesh (``jax.set_mesh``).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose state is a
+        :class:`ShampooState`.
 
     Example:
         >>> import jax.numpy as jnp, optax
@@ -346,7 +331,104 @@ def distributed_shampoo(
     the state stays the seed's :class:`ShampooState` (older checkpoints load;
     ``scale_by_shampoo``'s is the same). With ``decoupled_learning_rate=False`` lr
     scales u_g and u_s before momentum instead; ``decoupled_weight_decay`` adds lr·λ·W
-    to v (then −lr·v, as Google's code). The module docstring documents every argument.
+    to v (then −lr·v, as Google's code).
+
+    Args:
+        learning_rate: step size, or a schedule of the step count t.
+        block_size: axes longer than this are cut into blocks of this size (the last one
+            shorter); 0 keeps axes whole. Small adjacent dims are merged up to this size
+            first (``best_effort_shape_interpretation``).
+        beta1: momentum.
+        beta2: EMA factor of the statistics (and of RMSProp grafting); 1 sums them.
+        diagonal_epsilon: ε of AdaGrad/RMSProp grafting: G/(√D + ε).
+        matrix_epsilon: relative ridge: roots of S + ε·max(λ_max(S), 1e-6)·I.
+        weight_decay: λ, added to both directions before momentum (coupled).
+        start_preconditioning_step: steps before this one use the grafting method alone
+            (the statistics are still accumulated).
+        preconditioning_compute_steps: recompute the roots every this many steps.
+        statistics_compute_steps: update the statistics every this many steps.
+        best_effort_shape_interpretation: merge small adjacent dims, e.g. (1, 2, 512, 1,
+            2048, 1, 3, 4) → (1024, 2048, 12) for block 1024.
+        graft_type: a :class:`GraftingType`.
+        nesterov: Nesterov momentum.
+        exponent_override: p of the inverse roots if > 0, else 2·rank.
+        batch_axis_name: the mapped axis name when this runs inside ``shard_map`` or
+            ``pmap`` data parallelism: the root computation is split over that axis and
+            all-gathered. Gradients must already be averaged over it (``lax.pmean``), as
+            with the optimizer this replaces.
+        statistics_partition_spec: sharding of the stored (K, n, n) stacks of statistics
+            and roots with ``shard_optimizer_states`` (ignored without it, as in
+            Google's code).
+        preconditioner_partition_spec: sharding of the stacks while their roots are
+            computed: split the leading axis so each device computes its share, e.g.
+            ``PartitionSpec('data', None, None)``. Needs an active mesh
+            (``jax.set_mesh``) unless given as a ``NamedSharding``.
+        num_devices_for_pjit: stacks are padded to a multiple of this (default:
+            ``jax.device_count()``) when a partition spec is given.
+        shard_optimizer_states: store the stacks sharded by
+            ``statistics_partition_spec`` (defaults to the preconditioner spec).
+        best_effort_memory_usage_reduction: momenta of rank > 1 parameters in int8,
+            statistics and roots in int16 with their diagonals in float32 (per column
+            scales; see ``quantize`` in ``shampoo._math``), the int16 part only with
+            ``batch_axis_name`` as Google's (see ``quantize_statistics``).
+        inverse_failure_threshold: roots with a larger error are rejected.
+        moving_average_for_momentum: w = 1 − β1 instead of 1.
+        skip_preconditioning_dim_size_gt: parameters with a dim larger than this (before
+            merging and blocking), and scalars, use the grafting step.
+        clip_by_scaled_gradient_norm: with RMSProp grafting, divide u_g by max(1,
+            RMS(u_g)/clip).
+        precision: ``lax.Precision`` of the matrix products (or 'default', 'high',
+            'highest').
+        tensordot_precision: precision of the statistics' products; None uses
+            ``precision`` (Google's code uses the backend default for them).
+        relative_matrix_epsilon: the ridge is ε·max(λ_max, 1e-6); False: ε.
+        merge_small_dims_block_size: merge small dims up to this size; None (default)
+            merges up to ``block_size`` as the seed revision does (Google's 0.0.6
+            defaults to 4096).
+        lobpcg_topk_precondition: k > 0 deflates the k largest eigenpairs of each
+            statistic (LOBPCG) before its Newton root and restores them after;
+            statistics with at most 5k rows are rooted as they are.
+        lobpcg_max_iter: LOBPCG iterations (0: k).
+        precondtioner_type: a :class:`PreconditionerType` (Google's spelling): ALL axes,
+            INPUT (all but the last) or OUTPUT (the last only); p is twice the number of
+            preconditioned axes.
+        skip_preconditioning_rank_lt: parameters of lower rank take the grafting step
+            alone.
+        decoupled_learning_rate: lr scales the final update (True, the seed's behaviour)
+            or the directions before momentum (False).
+        decoupled_weight_decay: add lr·λ·W after momentum (scaled by lr again when the
+            learning rate is decoupled, as Google's code) instead of λ·W before it.
+        generate_training_metrics: keep ``training_metrics`` (else it is an
+            ``optax.MaskedNode``).
+        reuse_preconditioner: accepted for Google's current code, where it hands each
+            previous root to the inverse-root routine as a warm start that the routine
+            then discards; results are the same either way, and precond computes every
+            root from the statistic alone.
+        eigh: compute roots by an eigendecomposition instead of coupled Newton.
+        separate_grafting_momentum: with SQRT_N grafting, keep a grafting momentum of
+            its own, as Google's 0.0.6 does (the seed shares one).
+        quantize_statistics: store statistics and roots in int16 (with
+            ``best_effort_memory_usage_reduction``); None: only with
+            ``batch_axis_name``, where Google's code does.
+        sharded_init_fns: with ``shard_optimizer_states``, ``init`` returns the seed's
+            :class:`InitFnState` triple (ignoring its argument); False: ``init(params)``
+            returns the state itself.
+        precondition_with_previous_roots: precondition step t with the roots computed at
+            step t − 1 (and store step t's for the next step), as Google's sharded mode
+            does; None (default): only with ``shard_optimizer_states``, as Google's
+            code. False with ``shard_optimizer_states`` gives the same steps as
+            unsharded.
+        params_partition_specs: keyword only, precond's: a PartitionSpec (or None) per
+            parameter, a pytree like the params. ``init`` (under ``jax.jit``, no
+            ``out_shardings`` needed) places the momentum, grafting momentum and
+            grafting accumulator of each parameter as its spec says, and ``update``
+            keeps them (and the updates) there; the stacks follow
+            ``statistics_partition_spec`` with ``shard_optimizer_states``, the rest
+            (count, root errors) replicates. None (default): taken from the params'
+            types on a mesh with Explicit axes (``jax.typeof(x).sharding``), else
+            nothing is placed (XLA decides, as Google's code).
+        mesh: keyword only, precond's: the ``jax.sharding.Mesh`` that
+            ``params_partition_specs`` names; None: the context mesh (``jax.set_mesh``).
 
     Returns:
         An optax ``GradientTransformationExtraArgs``; ``update(grads, state,
@@ -401,130 +483,3 @@ def _transformation(config: Config) -> optax.GradientTransformationExtraArgs:
         return placed_state(init_state(params, config), params, config)[1]
 
     return accepting_scalars(optax.GradientTransformationExtraArgs(init, update))
-
-
-def _seed_init_fns(arguments: dict, state_init: Callable) -> Callable:
-    """The seed's sharded ``init``: called with anything, it returns the
-    :class:`InitFnState` triple for ``distributed_shampoo(**arguments)``."""
-    plain = {**arguments, "sharded_init_fns": False}
-
-    def pspec_fn(params, params_partition_spec, partition_spec_for_statistics=None):
-        spec = partition_spec_for_statistics or plain["statistics_partition_spec"]
-        return distributed_shampoo_partition_specs(
-            params,
-            params_partition_spec,
-            **{**plain, "statistics_partition_spec": spec},
-        )
-
-    def init(params):
-        del params  # the seed's init_fn is called with anything
-        return InitFnState(
-            init_fn=state_init,
-            pspec_fn=pspec_fn,
-            shape_and_dtype_fn=functools.partial(
-                distributed_shampoo_state_shapes, **plain
-            ),
-        )
-
-    return init
-
-
-def _bound_config(args, kwargs) -> Config:
-    """The config of ``distributed_shampoo(*args, **kwargs)``."""
-    bound = inspect.signature(distributed_shampoo).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return validated(**bound.arguments)
-
-
-def distributed_shampoo_state_shapes(params, *args, **kwargs) -> ShampooState:
-    """Shapes and dtypes (``jax.ShapeDtypeStruct``) of the state that
-    ``distributed_shampoo(*args, **kwargs).init(params)`` returns (params may be
-    abstract); the seed's ``shape_and_dtype_fn``.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> params = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
-        >>> shapes = distributed_shampoo_state_shapes(params, 0.1, block_size=128)
-        >>> shapes.momentum["w"]
-        ShapeDtypeStruct(shape=(4, 3), dtype=float32)
-    """
-    kwargs = {**kwargs, "sharded_init_fns": False}
-    return jax.eval_shape(distributed_shampoo(*args, **kwargs).init, params)
-
-
-def distributed_shampoo_partition_specs(
-    params, params_partition_spec, *args, **kwargs
-) -> ShampooState:
-    """The ``PartitionSpec`` of every leaf of ``distributed_shampoo(*args,
-    **kwargs).init(params)``: per-parameter buffers follow their parameter's spec
-    (``params_partition_spec``, a tree like ``params``), the stacks follow
-    ``statistics_partition_spec`` (replicated without one), the rest replicates.
-    Use it for ``jax.jit(..., out_shardings=...)``; the seed's ``pspec_fn``.
-
-    Example, rows of ``w`` split over a mesh axis "data":
-
-        >>> import jax.numpy as jnp
-        >>> params = {"w": jnp.zeros((4, 3))}
-        >>> specs = distributed_shampoo_partition_specs(
-        ...     params, {"w": PartitionSpec("data")}, 0.1, block_size=128
-        ... )
-        >>> specs.momentum["w"] == PartitionSpec("data", None)
-        True
-    """
-    config = _bound_config(args, kwargs)
-    shapes = distributed_shampoo_state_shapes(params, *args, **kwargs)
-    return state_partition_specs(shapes, params, params_partition_spec, config)
-
-
-def seed_parameter_stats(state: ShampooState, params, *args, **kwargs):
-    """``state`` seen as the seed's ``ShampooState.stats``: a tree like ``params``
-    of :class:`ParameterStats`, for code that reads the seed's per-parameter
-    fields (``stats[name].statistics[i]``, ``.training_metrics`` …). ``args`` and
-    ``kwargs`` are the ``distributed_shampoo`` arguments the state was made with.
-    :func:`shampoo_state_from_seed` is the inverse.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> params = {"w": jnp.ones((4, 3))}
-        >>> state = distributed_shampoo(0.1, block_size=128).init(params)
-        >>> stats = seed_parameter_stats(state, params, 0.1, block_size=128)
-        >>> errors = stats["w"].training_metrics.inverse_pth_root_errors
-    """
-    return parameter_stats_view(state, params, _bound_config(args, kwargs))
-
-
-def shampoo_state_from_seed(seed_state, params, *args, **kwargs) -> ShampooState:
-    """The :class:`ShampooState` holding what a state in the seed's layout holds:
-    load a checkpoint written by Google's ``distributed_shampoo`` (the seed
-    revision or optax-shampoo 0.0.6) into precond. The inverse of
-    :func:`seed_parameter_stats`.
-
-    ``seed_state`` has ``count`` and ``stats`` (the seed's ``ShampooState``, or
-    :class:`SeedShampooState`): ``stats`` is a tree like ``params`` of
-    ``ParameterStats(diagonal_statistics, statistics, preconditioners,
-    diagonal_momentum, momentum, training_metrics)``, or with
-    ``shard_optimizer_states`` the seed's ``ShardedShampooStats(global_stats,
-    local_stats)``. Members may be the seed's ``QuantizedValue`` (memory mode):
-    they are dequantized (values·bucket sizes per column, plus the diagonal) and
-    stored as ``distributed_shampoo(*args, **kwargs)`` stores them (int8 momenta
-    and int16 statistics requantize to the same integers). ``args`` and
-    ``kwargs`` are the arguments precond's optimizer will run with (those the
-    checkpoint was written with, plus 0.0.6's values where they differ, e.g.
-    ``merge_small_dims_block_size=4096``): they fix which statistics each
-    parameter has, and a checkpoint that does not fit them is refused naming
-    the parameter. Only ``inverse_pth_root_errors`` of the training metrics is
-    kept; with ``generate_training_metrics`` and none in the checkpoint it
-    starts at 0.
-
-    Example (``seed_state`` would come from a checkpoint of the seed, e.g.
-    ``orbax_checkpointer.restore(path, item=google_state)``; here it is
-    :func:`seed_parameter_stats` of a precond state):
-        >>> import jax.numpy as jnp
-        >>> params = {"w": jnp.ones((4, 3))}
-        >>> opt = distributed_shampoo(0.1, block_size=128)
-        >>> stats = seed_parameter_stats(opt.init(params), params, 0.1, block_size=128)
-        >>> seed_state = SeedShampooState(count=jnp.zeros([], jnp.int32), stats=stats)
-        >>> state = shampoo_state_from_seed(seed_state, params, 0.1, block_size=128)
-        >>> updates, state = opt.update({"w": jnp.ones((4, 3))}, state, params)
-    """
-    return state_from_seed(seed_state, params, _bound_config(args, kwargs))
