@@ -421,8 +421,7 @@ def affine(
     """PSGD Affine: ``chain(scale_by_affine, add_decayed_weights,
     scale_by_learning_rate)``.
 
-    θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_affine` (see it for the
-    other arguments).
+    θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_affine`.
 
     The state is ``(core state, learning-rate state)`` whatever ``weight_decay``
     is (the decay keeps none), as ``optax.inject_hyperparams`` needs.

@@ -390,8 +390,7 @@ def low_rank_approximation(
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD LRA: ``chain(scale_by_lra, add_decayed_weights, scale_by_learning_rate)``.
 
-    θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_lra` (see it for the
-    other arguments).
+    θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_lra`.
 
     The state is ``(core state, learning-rate state)`` whatever ``weight_decay``
     is (the decay keeps none), as ``optax.inject_hyperparams`` needs.

@@ -205,8 +205,7 @@ def xmat(
 ) -> optax.GradientTransformationExtraArgs:
     """PSGD XMat: ``chain(scale_by_xmat, add_decayed_weights, scale_by_learning_rate)``.
 
-    θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_xmat` (see it for the
-    other arguments).
+    θ ← θ − lr·(U + λ·mask⊙θ) with U from :func:`scale_by_xmat`.
 
     The state is ``(core state, learning-rate state)`` whatever ``weight_decay``
     is (the decay keeps none), as ``optax.inject_hyperparams`` needs.
