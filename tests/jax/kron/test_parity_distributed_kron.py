@@ -46,7 +46,7 @@ def _inject_randomness(monkeypatch, dk, lead_axes):
     # draws are derived.
     monkeypatch.setattr(
         _kron_step,
-        "fit_key",
+        "step_key",
         lambda seed, count: jnp.stack([jnp.zeros_like(count), count]).astype(
             jnp.uint32
         ),

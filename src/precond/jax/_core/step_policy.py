@@ -40,6 +40,7 @@ of a whole optax state.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 from typing import Any
 
@@ -66,9 +67,10 @@ _WARNING_LOCK = threading.Lock()
 def step_key(seed: int | jax.Array, count: jax.Array | int) -> jax.Array:
     """The key of step ``count``'s draws: fold_in(PRNGKey(seed), count).
 
-    ``seed`` is an int or already a PRNG key (then folded as it is).
+    ``seed`` is an integer (Python's or NumPy's) or already a PRNG key (then
+    folded as it is).
     """
-    key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+    key = jax.random.PRNGKey(seed) if isinstance(seed, numbers.Integral) else seed
     return jax.random.fold_in(key, count)
 
 

@@ -33,6 +33,7 @@ from precond.jax._core.mesh_placement import (
     partition_specs_only,
     with_auto_axes,
 )
+from precond.jax._core.momentum import bias_correction, moving_average
 from precond.jax._core.step_policy import (
     fields_unless_skipped,
     keep_if_overflowed,
@@ -140,10 +141,10 @@ def _momentum(grads, mu, count, recipe: _Recipe) -> tuple[list | None, list]:
     b1, dtype = recipe.b1, recipe.dtype
     if recipe.keep_momentum:
         mu = [
-            (b1 * m.astype(jnp.float32) + (1 - b1) * g.astype(jnp.float32))
+            moving_average(m.astype(jnp.float32), g.astype(jnp.float32), b1)
             for m, g in zip(mu, grads, strict=True)
         ]
-        correction = 1 - jnp.asarray(b1, jnp.float32) ** count
+        correction = bias_correction(b1, count, jnp.float32)
         momentum = [(m / correction).astype(dtype) for m in mu]
         mu = [m.astype(dtype) for m in mu]
     else:

@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec
 from precond.jax._core import factor_kernels as km
 from precond.jax._core.guards import check_parameter_dtypes
 from precond.jax._core.mesh_placement import ShardingPlan
-from precond.jax._core.step_policy import saturating_increment
 from precond.jax.kron._config import KronConfig, TreePlan, plan_tree
 from precond.jax.kron._layout import StackPlan
 
@@ -29,7 +28,6 @@ __all__ = [
     "gram_of",
     "init",
     "partition_specs",
-    "saturating_increment",
     "state_specs",
     "storage_dtype",
     "stored",

@@ -25,9 +25,16 @@ from precond.jax._core.guards import (
     check_state_matches,
     gradients_are_usable,
 )
+from precond.jax._core.momentum import bias_correction, moving_average
 from precond.jax._core.newton import newton_arguments
 from precond.jax._core.precision import matmul_precision
-from precond.jax._core.step_policy import SkipWarning, skip_counted
+from precond.jax._core.step_policy import (
+    SkipWarning,
+    next_count,
+    saturating_increment,
+    skip_counted,
+    step_key,
+)
 from precond.jax.kron import _layout as layout
 from precond.jax.kron._config import (
     KronConfig,
@@ -43,18 +50,12 @@ from precond.jax.kron._state import (
     factor_of,
     gram_of,
     init,
-    saturating_increment,
     state_specs,
     stored_factor,
     working,
 )
 
-__all__ = ["fit_key", "update"]
-
-
-def fit_key(seed: int, count: jax.Array) -> jax.Array:
-    """The key of the random draws of a factor update at step ``count``."""
-    return jax.random.fold_in(jax.random.PRNGKey(seed), count)
+__all__ = ["update"]
 
 
 def _seed_layout_draws(
@@ -314,7 +315,7 @@ def _fit(config: KronConfig, step: _Step, count, grads, mu_hats):
     returns ``fit(preconditioner_state, mu_hat_stacks, newton)``."""
 
     def fit(preconditioner_state, mu_hat_stacks, newton):
-        key = fit_key(config.seed, count)
+        key = step_key(config.seed, count)
         if newton is not None:  # fit P to the pairs (H·v, v)
             hvp, vector = (
                 _stacked(config, step, jax.tree.leaves(newton[name]))
@@ -357,14 +358,14 @@ def _momentum(config: KronConfig, step: _Step, mu, grads, finite, count):
         return None, grads
     b1 = config.b1
     mus = [
-        jnp.where(finite, b1 * m + (1 - b1) * g, m).astype(m.dtype)
+        jnp.where(finite, moving_average(m, g, b1), m).astype(m.dtype)
         for m, g in zip(step.tree.treedef.flatten_up_to(mu), grads, strict=True)
     ]
     mus = step.sharding.constrain_params(mus)
     mu_hats = []
     for m, g in zip(mus, grads, strict=True):
         dtype = jnp.promote_types(m.dtype, jnp.float32)
-        correction = 1 - jnp.asarray(b1, km.real_dtype(dtype)) ** count
+        correction = bias_correction(b1, count, km.real_dtype(dtype))
         mu_hat = (m.astype(dtype) / correction).astype(m.dtype)
         # A real gradient's complex momentum (mu_dtype complex) is real.
         real = km.is_complex(m) and not km.is_complex(g)
@@ -462,7 +463,7 @@ def _step(
     # fused into the elementwise work (no whole-state select or cond).
     checked = grads if newton is None else grads + jax.tree.leaves(newton["Hvp"])
     finite = gradients_are_usable(checked)
-    count = jnp.where(finite, saturating_increment(state.count), state.count)
+    count = next_count(state.count, finite)
     mus, mu_hats = _momentum(config, step, state.mu, grads, finite, count)
     do_update, update_counter = _update_decision(config, state, count, finite, newton)
     mu_hat_stacks = _stacked(config, step, mu_hats)

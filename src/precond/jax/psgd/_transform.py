@@ -36,7 +36,6 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
-from optax import tree_utils as otu
 
 from precond._common.validation import (
     check_bool,
@@ -62,6 +61,7 @@ from precond.jax._core.guards import (
     check_state_matches,
 )
 from precond.jax._core.mesh_placement import with_auto_axes
+from precond.jax._core.momentum import bias_correction, moving_average
 from precond.jax._core.newton import newton_arguments
 from precond.jax._core.precision import (
     MATMUL_PRECISIONS,
@@ -444,15 +444,21 @@ def momentum_estimate(
     """(new m, m̂): m ← β₁m + (1−β₁)g, m̂ = m/(1−β₁ⁿ); Nesterov (Dozat, as
     psgd-jax): m̂ = β₁m/(1−β₁ⁿ⁺¹) + (1−β₁)g/(1−β₁ⁿ). m keeps its dtype; m̂ of a
     real g is real (m may be complex: mu_dtype)."""
-    moment = otu.tree_update_moment(updates, mu, b1, 1)
+    moment = jax.tree.map(lambda g, m: moving_average(m, g, b1), updates, mu)
+
+    def corrected(tree, n):
+        # 1 − β₁ⁿ as b1 and n promote; the division in each leaf's dtype.
+        correction = bias_correction(b1, n)
+        return jax.tree.map(lambda t: t / correction.astype(t.dtype), tree)
+
     if nesterov:
         m_hat = jax.tree.map(
             lambda m, g: b1 * m + (1 - b1) * g,
-            otu.tree_bias_correction(moment, b1, count + 1),
-            otu.tree_bias_correction(updates, b1, count),
+            corrected(moment, count + 1),
+            corrected(updates, count),
         )
     else:
-        m_hat = otu.tree_bias_correction(moment, b1, count)
+        m_hat = corrected(moment, count)
     # A real gradient's complex momentum (mu_dtype complex) is real.
     m_hat = jax.tree.map(
         lambda m, g: jnp.real(m) if is_complex(m) and not is_complex(g) else m,
