@@ -288,7 +288,7 @@ def test_cache_layouts_agree(style):
 def test_sharded_equals_unsharded(style, newton):
     """(2, 4) mesh, FSDP × TP specs, blocks, a scanned parameter: the factors and
     Lipschitz estimates of each unit are fitted whole on one device."""
-    from tests.jax import test_kron_sharding as sharded
+    from tests.jax.kron import test_kron_sharding as sharded
 
     mesh, specs = sharded._mesh("fsdp,tp"), sharded.PLACEMENTS["fsdp,tp"]
     kwargs = dict(
