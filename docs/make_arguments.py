@@ -89,14 +89,14 @@ def _table(
 
 def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
     import precond.jax as pj
-    from precond.jax import shampoo
-    from precond.jax._alias import ALIAS_ARGUMENT_CHECKS
-    from precond.jax._kron_arguments import KRON_ARGUMENT_CHECKS
-    from precond.jax._psgd_transform import PSGD_ARGUMENT_CHECKS
-    from precond.jax.affine import AFFINE_ARGUMENT_CHECKS
-    from precond.jax.lra import LRA_ARGUMENT_CHECKS
-    from precond.jax.pro import PRO_ARGUMENT_CHECKS
-    from precond.jax.pro_adamw import PRO_ADAMW_ARGUMENT_CHECKS
+    from precond.jax._core.alias import ALIAS_ARGUMENT_CHECKS
+    from precond.jax.kron._arguments import KRON_ARGUMENT_CHECKS
+    from precond.jax.kron._pro_config import PRO_ARGUMENT_CHECKS
+    from precond.jax.kron.pro_adamw import PRO_ADAMW_ARGUMENT_CHECKS
+    from precond.jax.psgd._transform import PSGD_ARGUMENT_CHECKS
+    from precond.jax.psgd.affine import AFFINE_ARGUMENT_CHECKS
+    from precond.jax.psgd.lra import LRA_ARGUMENT_CHECKS
+    from precond.jax.shampoo._config import ARGUMENT_CHECKS as SHAMPOO_CHECKS
 
     psgd = {**ALIAS_ARGUMENT_CHECKS, **PSGD_ARGUMENT_CHECKS}
     entries = [
@@ -129,7 +129,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
         (
             "precond.jax.distributed_shampoo",
             pj.distributed_shampoo,
-            dict(shampoo._ARGUMENT_CHECKS),
+            dict(SHAMPOO_CHECKS),
             (),
         ),
     ]

@@ -1,6 +1,6 @@
 """A standalone JAX program (no precond) that hangs XLA:CPU (jaxlib 0.10), in a
 form for the JAX tracker: the hang that precond's programs avoid by making no
-batched LAPACK call (``precond.jax._pool_safe_linalg``).
+batched LAPACK call (``precond.jax._core.pool_safe_linalg``).
 
 The program is one jitted function with seven independent chains of batched
 triangular solves and matmuls (the shape of PSGD Kron's factor update of a small

@@ -64,7 +64,7 @@ def _optimized_xla(request):
     """Tests marked ``optimized_xla`` compile with JAX_DISABLE_MOST_OPTIMIZATIONS
     off, as users' programs do: Shampoo's 2000-step convergence test runs in 6 s
     instead of 14 s, and two programs compared bit for bit compute each value
-    once (tests/jax/test_scale_by_shampoo.py says why that matters). The flag
+    once (tests/jax/shampoo/test_scale_by_shampoo.py says why that matters). The flag
     is read when a program is compiled, so it is set for the test and restored
     after it."""
     if request.node.get_closest_marker("optimized_xla") is None:

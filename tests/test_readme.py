@@ -506,7 +506,8 @@ def _kron_default_update_style_is_eq():
 
 def _pro_defaults():
     import precond.jax as pj
-    from precond.jax.pro import ADAM_STYLE_DIVISOR, MAX_UPDATE_RMS
+    from precond._common.kron_constants import MAX_UPDATE_RMS
+    from precond._common.pro_layout import ADAM_STYLE_DIVISOR
 
     defaults = {k: p.default for k, p in _parameters(pj.pro).items()}
     assert defaults["b1"] == 0.95

@@ -29,14 +29,14 @@ jax = pytest.importorskip("jax")
 torch = pytest.importorskip("torch")
 jnp = jax.numpy
 
-from precond.jax import _kron_math as jkm  # noqa: E402
+from precond.jax._core import factor_kernels as jkm  # noqa: E402
 from precond.torch._core import factor_kernels as tkm  # noqa: E402
 
 # Frameworks and references differ only by float64 rounding of O(1) quantities.
 RTOL = 1e-12
 UNITS = 2
 LR = 0.1
-# JAX-only helpers (precond.jax._kron_math's docstring says why).
+# JAX-only helpers (precond.jax._core.factor_kernels's docstring says why).
 JAX_ONLY = {
     "is_complex",
     "complex_dtype",

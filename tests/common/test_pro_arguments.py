@@ -83,7 +83,7 @@ def test_both_frameworks_run_the_shared_checks():
     in torch's (where installed), not by a copy of its rule."""
     tables = {}
     try:
-        from precond.jax.pro import PRO_ARGUMENT_CHECKS
+        from precond.jax.kron._pro_config import PRO_ARGUMENT_CHECKS
 
         tables["jax"] = PRO_ARGUMENT_CHECKS
     except ModuleNotFoundError:

@@ -10,10 +10,10 @@ import numpy as np
 import optax
 
 import precond.jax as pj
-from precond.jax._skipped_steps import STATES_WITH_SKIP_COUNTS
+from precond.jax._core.skipped_steps import STATES_WITH_SKIP_COUNTS
 
 # The module, not the ``kron`` function that precond.jax re-exports under its name.
-kron_module = importlib.import_module("precond.jax.kron")
+kron_module = importlib.import_module("precond.jax.kron.transform")
 
 
 @contextlib.contextmanager

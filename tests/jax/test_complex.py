@@ -2,7 +2,7 @@
 Affine; whitening and Newton mode).
 
 Over ℂ the preconditioner is Hermitian, P = QᴴQ, fitted with conjugate transposes
-(see ``precond.jax._kron_math``). Properties proven here:
+(see ``precond.jax._core.factor_kernels``). Properties proven here:
 
 1. One step on complex128 parameters equals the complex float64 NumPy references
    of ``tests/reference`` given the same noise (the optimizers' randomness is a
@@ -27,16 +27,16 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import precond.jax as pj
-from precond.jax import _kron_math as km
+from precond.jax._core import factor_kernels as km
 from tests.jax.helpers import float64, kron_module
 from tests.reference import affine_reference as affine_ref
 from tests.reference import kron_reference as kron_ref
 from tests.reference import lra_reference as lra_ref
 from tests.reference import xmat_reference as xmat_ref
 
-xmat_module = importlib.import_module("precond.jax.xmat")
-lra_module = importlib.import_module("precond.jax.lra")
-affine_module = importlib.import_module("precond.jax.affine")
+xmat_module = importlib.import_module("precond.jax.psgd.xmat")
+lra_module = importlib.import_module("precond.jax.psgd.lra")
+affine_module = importlib.import_module("precond.jax.psgd.affine")
 
 LR = 0.1  # preconditioner_lr / precond_lr of every case
 # Kron: one real leaf next to complex ones (its own stack); leaf index = sorted

@@ -6,7 +6,7 @@ simulated devices that the script asks for itself.
 
 XLA:CPU (jaxlib 0.10) hung such scripts within their first steps when two
 batched LAPACK calls blocked every thread of its pool
-(precond.jax._pool_safe_linalg). A hang is nondeterministic, so each script
+(precond.jax._core.pool_safe_linalg). A hang is nondeterministic, so each script
 runs three times; the runs after the first reuse its compiled programs (a
 persistent compilation cache), so that the repeats cost little but running.
 """

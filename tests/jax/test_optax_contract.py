@@ -1223,9 +1223,9 @@ def test_every_seed_form_psgd_jax_accepts_works(name):
 def test_every_psgd_jax_argument_has_a_check():
     """Each variant's scale_by_* arguments are exactly the shared table's plus
     its own table's: none goes unchecked."""
-    from precond.jax._psgd_transform import PSGD_ARGUMENT_CHECKS
-    from precond.jax.affine import AFFINE_ARGUMENT_CHECKS
-    from precond.jax.lra import LRA_ARGUMENT_CHECKS
+    from precond.jax.psgd._transform import PSGD_ARGUMENT_CHECKS
+    from precond.jax.psgd.affine import AFFINE_ARGUMENT_CHECKS
+    from precond.jax.psgd.lra import LRA_ARGUMENT_CHECKS
 
     own = {
         pj.scale_by_xmat: {},

@@ -93,7 +93,7 @@ OPTIMIZERS: dict[str, Row] = {
     "pro_adamw": Row(
         pj.pro_adamw,
         {"learning_rate": 1e-2},
-        importlib.import_module("precond.jax.pro_adamw").PRO_ADAMW_STATIC_ARGS,
+        importlib.import_module("precond.jax.kron.pro_adamw").PRO_ADAMW_STATIC_ARGS,
     ),
     "xmat": Row(pj.xmat, {"learning_rate": 1e-2}),
     "low_rank_approximation": Row(

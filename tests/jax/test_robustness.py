@@ -2,10 +2,10 @@
 optimizer and its variants (Kron in each update style and cache, XMat, LRA,
 Affine, Shampoo in each grafting type, with and without quantised statistics).
 
-The step guard of every optimizer (``precond.jax._guards``): a step whose
+The step guard of every optimizer (``precond.jax._core.guards``): a step whose
 gradient has a NaN or ±Inf entry, or a squared norm that overflows (entries from
 about 1.8e19 in float32), is *skipped*: zero update, state unchanged but for its
-count of skipped steps (tests/jax/test_skipped_steps.py). So:
+count of skipped steps (tests/jax/core/test_skipped_steps.py). So:
 
 * after every step, bad or not, the state is finite;
 * a run of 50 normal steps with one bad step among them ends where the run

@@ -8,7 +8,7 @@ pads its axes to a multiple of b first, so each of its tensors is one region;
 pro and Shampoo keep the remainders as regions of their own.
 
 The arrays are moved between a tensor and its regions' blocks by
-``precond.jax._blocks`` (``cut`` and ``join``). This module is framework-free.
+``precond.jax._core.blocks`` (``cut`` and ``join``). This module is framework-free.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 XLA:CPU presents one device per process unless told otherwise; these helpers
 set the count before its backend starts. Nothing here is needed to run precond:
 its programs make no call that waits on XLA's thread pool
-(:mod:`precond.jax._pool_safe_linalg`), so they run whatever ``XLA_FLAGS`` and
+(:mod:`precond.jax._core.pool_safe_linalg`), so they run whatever ``XLA_FLAGS`` and
 ``PJRT_NPROC`` say.
 """
 

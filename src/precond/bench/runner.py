@@ -315,7 +315,7 @@ def tree_nbytes(tree: Any) -> int:
 def make_train_step(workload: Workload, optimizer, batch_sharding=None) -> Callable:
     """(params, opt_state, x_train, y_train, idx, lr_scale) ↦ (params, opt_state,
     loss, refused): ``refused`` is True when the step guard of precond's
-    optimizers (:func:`precond.jax._guards.gradients_are_usable`) refuses the
+    optimizers (:func:`precond.jax._core.guards.gradients_are_usable`) refuses the
     gradient.
 
     Gathers the minibatch ``idx`` from the device-resident training set (split
@@ -326,7 +326,7 @@ def make_train_step(workload: Workload, optimizer, batch_sharding=None) -> Calla
     import jax
     import optax
 
-    from precond.jax._guards import gradients_are_usable
+    from precond.jax._core.guards import gradients_are_usable
 
     def train_step(params, opt_state, x_train, y_train, idx, lr_scale):
         with jax.named_scope("precond/bench/train_step"):

@@ -11,48 +11,52 @@ weight matrices, AdamW on the rest: the recipe measured best) with its split
 Distributed Shampoo, with its state helpers and the matrix functions
 ``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``);
 ``skipped_steps``, the count of steps skipped for unusable gradients in any of
-their states. Kernels of one tensor live in ``precond.jax._kron_math``.
+their states. Kernels of one tensor live in ``precond.jax._core.factor_kernels``.
 """
 
-from precond.jax._psgd_transform import PSGDState
-from precond.jax._shampoo_math import (
-    QuantizedArray,
-    matrix_inverse_pth_root,
-    matrix_inverse_pth_root_eigh,
-    power_iteration,
+from precond.jax._core.skipped_steps import skipped_steps
+from precond.jax.kron._pro_config import PRO_STATIC_ARGS, ProState
+from precond.jax.kron.distributed_kron_state import (
+    kron_state_from_distributed_kron,
+    kron_state_to_distributed_kron,
 )
-from precond.jax._skipped_steps import skipped_steps
-from precond.jax.affine import AFFINE_STATIC_ARGS, affine, scale_by_affine
-from precond.jax.hessian import hessian_helper
-from precond.jax.kron import (
+from precond.jax.kron.pro import pro, pro_opt_state_partition_specs, scale_by_pro
+from precond.jax.kron.pro_adamw import (
+    PRO_ADAMW_STATIC_ARGS,
+    pro_adamw,
+    pro_adamw_hidden_matrices,
+)
+from precond.jax.kron.transform import (
     KRON_STATIC_ARGS,
     KronState,
     get_opt_state_partition_specs,
     kron,
-    kron_state_from_distributed_kron,
-    kron_state_to_distributed_kron,
     precond_update_prob_schedule,
     scale_by_kron,
 )
-from precond.jax.lra import (
+from precond.jax.psgd._transform import PSGDState
+from precond.jax.psgd.affine import AFFINE_STATIC_ARGS, affine, scale_by_affine
+from precond.jax.psgd.hessian import hessian_helper
+from precond.jax.psgd.lra import (
     LRA_STATIC_ARGS,
     low_rank_approximation,
     lra,
     scale_by_lra,
 )
-from precond.jax.pro import (
-    PRO_STATIC_ARGS,
-    ProState,
-    pro,
-    pro_opt_state_partition_specs,
-    scale_by_pro,
+from precond.jax.psgd.xmat import scale_by_xmat, xmat
+from precond.jax.shampoo._math import (
+    QuantizedArray,
+    matrix_inverse_pth_root,
+    matrix_inverse_pth_root_eigh,
+    power_iteration,
 )
-from precond.jax.pro_adamw import (
-    PRO_ADAMW_STATIC_ARGS,
-    pro_adamw,
-    pro_adamw_hidden_matrices,
+from precond.jax.shampoo.state_views import (
+    distributed_shampoo_partition_specs,
+    distributed_shampoo_state_shapes,
+    seed_parameter_stats,
+    shampoo_state_from_seed,
 )
-from precond.jax.shampoo import (
+from precond.jax.shampoo.transform import (
     SCALE_BY_SHAMPOO_STATIC_ARGS,
     SHAMPOO_STATIC_ARGS,
     GraftingType,
@@ -63,13 +67,8 @@ from precond.jax.shampoo import (
     ShampooState,
     TrainingMetrics,
     distributed_shampoo,
-    distributed_shampoo_partition_specs,
-    distributed_shampoo_state_shapes,
     scale_by_shampoo,
-    seed_parameter_stats,
-    shampoo_state_from_seed,
 )
-from precond.jax.xmat import scale_by_xmat, xmat
 
 __all__ = [
     "AFFINE_STATIC_ARGS",
