@@ -253,11 +253,9 @@ def _scale_by_shampoo_is_the_alias_without_its_rate(namespace: dict, printed: st
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-# The run BENCHMARKS.md reports for the README's recipe ("pro on the hidden
-# matrices, AdamW on the rest", once benchmarks/psgd_quality.py's
-# "pro-s200-0.005-0.2:b1=0.5:preconditioner_update_style='QEQ':adam_part=0.01"):
-# pro at 4 × AdamW's rate, b1 0.5, 'QEQ' fits on this schedule, and AdamW at 0.01,
-# both at the bench's weight decay of 1e-4.
+# The recipe the guide writes out by hand ("pro on the hidden matrices, AdamW on
+# the rest"), as it was measured: pro at 4 × AdamW's rate, b1 0.5, 'QEQ' fits on
+# this schedule, and AdamW at 0.01, both at the bench's weight decay of 1e-4.
 BENCHMARKED_SCHEDULE = dict(min_prob=0.2, decay=0.005, flat_start=200)
 BENCHMARKED_ADAMW_RATE = 0.01
 

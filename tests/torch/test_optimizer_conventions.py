@@ -688,7 +688,7 @@ def test_torch_compile_of_the_step_runs_it_eagerly(optimizer_class):
     (``eager_step``): bit for bit the eager step's values, and no graph of it,
     on nine buckets over three steps. Traced, the step broke into graphs at its
     host syncs and re-specialised per bucket, past dynamo's recompile limit (8),
-    and ran slower than eagerly (benchmarks/compiled_step.py). Dynamo's eager
+    and ran slower than eagerly. Dynamo's eager
     backend keeps this test's CPU time low if it traces."""
     shapes = [(n, 2) for n in range(2, 11)]
     params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]

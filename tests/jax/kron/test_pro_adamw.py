@@ -86,8 +86,7 @@ def _run(optimizer, params, grads, state=None):
 
 
 def _hand_written_recipe(learning_rate, hidden):
-    """The recipe before pro_adamw (benchmarks/psgd_quality.py's
-    ``pro-s200-0.005-0.2:b1=0.5:preconditioner_update_style='QEQ':adam_part``)."""
+    """The recipe before pro_adamw, written out with optax.multi_transform."""
     schedule = pj.precond_update_prob_schedule(
         min_prob=0.2, decay=0.005, flat_start=200
     )

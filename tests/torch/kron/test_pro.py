@@ -31,10 +31,10 @@ import torch
 
 import precond.jax as pj
 import precond.torch.kron.pro as pro_module
+from precond._common.pro_layout import _plan as jax_pro_plan
 from precond._common.pro_layout import merged_shape
-from precond.jax import _kron_math as jkm
-from precond.jax import _normal_draws as normal_draws
-from precond.jax.pro import _plan as jax_pro_plan
+from precond.jax._core import factor_kernels as jkm
+from precond.jax._core import normal_draws
 from precond.torch import Pro
 from precond.torch._core import factor_kernels as tkm
 

@@ -29,7 +29,7 @@ import torch
 
 import precond.jax as pj
 import precond.torch.kron.pro as pro_module
-from precond.jax import _normal_draws as normal_draws
+from precond.jax._core import normal_draws
 from precond.torch import ProAdamW
 
 LR = 3e-3

@@ -23,10 +23,10 @@ A *packed* triangular factor is a (d + 1, d) array holding Q in its upper triang
 diag(P_i) in its last row. It stores Q and the cached QᵀQ in about the memory of Q
 alone, so steps that do not update the preconditioner skip recomputing QᵀQ.
 
-Mirror: ``precond.torch._kron_math`` has the same kernels, with the same names,
-argument names and order, and conventions (tests/common/test_kron_kernels.py runs
-every kernel of both against the same float64 references). Two differences,
-both the frameworks':
+Mirror: ``precond.torch._core.factor_kernels`` has the same kernels, with the
+same names, argument names and order, and conventions
+(tests/common/test_kron_kernels.py runs every kernel of both against the same
+float64 references). Two differences, both the frameworks':
 
 * Stacks. A JAX kernel sees one *unit* (one block; callers ``jax.vmap`` over a
   stack of equal-shaped units, ``STACK_AXES = 0``); a torch kernel takes every
@@ -64,7 +64,7 @@ from precond.jax._core import normal_draws
 from precond.jax._core.pool_safe_linalg import triangular_solve
 
 # Leading stack axes of a kernel's per-unit arguments: none, callers vmap (module
-# doc; 1 in precond.torch._kron_math).
+# doc; 1 in precond.torch._core.factor_kernels).
 STACK_AXES = 0
 # sqrt(float32 machine epsilon) = 2^-11.5: scale of the damping noise added to G.
 DAMPING_SCALE = float(jnp.finfo(jnp.float32).eps) ** 0.5

@@ -3,7 +3,7 @@
 On CPU, JAX lowers the Threefry-2x32 hash under its draws as a rolled loop (an XLA
 while loop of 5 iterations, each copying its state), which costs more than the
 arithmetic. PSGD's fits draw a normal matrix the size of every parameter, so the
-loop is a large part of a fit: ``benchmarks/normal_draws.py`` times both.
+loop is a large part of a fit.
 :func:`standard_normal` hashes the same counters with the same key, the hash
 written out in full (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 SC 2011: 20 rounds of add, rotate and xor, the key injected every 4), which XLA

@@ -1,4 +1,4 @@
-"""Kernels of PSGD Kron for torch: the mirror of ``precond.jax._kron_math``.
+"""Kernels of PSGD Kron for torch: the mirror of ``precond.jax._core.factor_kernels``.
 
 Same kernels, with the same names, argument names and order, math and
 conventions (tests/common/test_kron_kernels.py runs every kernel of both against
@@ -50,7 +50,7 @@ from precond._common.kron_constants import (  # the styles both frameworks accep
 from precond.torch._core.tensors import as_dtype
 
 # Leading stack axes of a kernel's per-unit arguments (module doc; 0 in
-# precond.jax._kron_math, whose callers vmap).
+# precond.jax._core.factor_kernels, whose callers vmap).
 STACK_AXES = 1
 # sqrt(float32 machine epsilon) = 2^-11.5: scale of the damping noise added to G.
 DAMPING_SCALE = torch.finfo(torch.float32).eps ** 0.5
@@ -359,7 +359,7 @@ def sampled_norm_lower_bound(
     iterations: int = 2,
 ) -> torch.Tensor:
     """A lower bound on ‖S_b‖₂ of each real (B, d, d) entry from sampled power
-    iterations, as :func:`precond.jax._kron_math.sampled_norm_lower_bound`.
+    iterations, as :func:`precond.jax._core.factor_kernels.sampled_norm_lower_bound`.
 
     s = max|S_b|, Ŝ = S_b/s, x = the row of Ŝ with the largest norm; k start
     vectors x + sign(⟨x, w⟩)·w, w ~ N(0, I), each mapped twice by
@@ -425,7 +425,7 @@ def update_factors_gen2(
     draw: Callable | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One generation-2 PSGD step ('QUAD', 'PRO' or 'QEQ') on each stack entry, as
-    :func:`precond.jax._kron_math.update_factors_gen2`: with Pg = P·G,
+    :func:`precond.jax._core.factor_kernels.update_factors_gen2`: with Pg = P·G,
     T1 = Pg_(i)Pg_(i)ᴴ and the target T2, L_i ← max(β_L·L_i + (1 − β_L)·ℓ, ℓ),
     ℓ = lb(T1) + lb(T2), μ = η/L_i;
 

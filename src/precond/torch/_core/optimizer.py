@@ -40,7 +40,7 @@ def eager_step(step: Callable) -> Callable:
     Traced, the step broke into dozens of graphs (it branches on host values:
     the usable-gradients check, the fit schedule) whose per-bucket Python
     dynamo re-specialised bucket by bucket, past its recompile limit, and it
-    ran slower than eagerly (``benchmarks/compiled_step.py``). What the step
+    ran slower than eagerly. What the step
     compiles itself (``compile_kernels``) is still compiled.
 
     ``torch.compiler.disable`` is applied at the first call, not here: it
