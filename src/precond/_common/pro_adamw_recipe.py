@@ -2,11 +2,11 @@
 ``precond.torch.ProAdamW`` share: its defaults, the rule that picks the hidden
 weight matrices pro preconditions (AdamW takes the rest), and its own checks.
 
-The defaults are the setting measured best on the bench's char-lm
-(BENCHMARKS.md, "pro on the hidden matrices, AdamW on the rest"): pro at 4 times
-AdamW's rate with momentum 0.5 and 'QEQ' fits at the steps of the probability
-schedule (min_prob=0.2, decay=0.005, flat_start=200), AdamW at its own rate on
-the rest.
+The defaults are the setting measured best on ``precond bench``'s workloads
+(the teacher-student regression, the char-lm and the larger char-lm, each at
+its best swept rate; BENCHMARKS.md): pro at 2 times AdamW's rate with momentum
+0.7 and 'QEQ' fits at the steps of the probability schedule (min_prob=0.2,
+decay=0.005, flat_start=200), AdamW at its own rate on the rest.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 from precond._common.validation import check_real, is_concrete_number
 
 # pro's rate is this times the AdamW rate the user gives.
-PRO_LR_MULTIPLIER = 4.0
-PRO_B1 = 0.5
+PRO_LR_MULTIPLIER = 2.0
+PRO_B1 = 0.7
 PRO_UPDATE_STYLE = "QEQ"
 # precond_update_prob_schedule's arguments: a fit every step for 200 steps, then
 # exp(−0.005·(n − 200)), never below 0.2.

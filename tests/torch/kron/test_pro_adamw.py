@@ -29,6 +29,7 @@ import torch
 
 import precond.jax as pj
 import precond.torch.kron.pro as pro_module
+from precond._common.pro_adamw_recipe import PRO_LR_MULTIPLIER
 from precond.jax._core import normal_draws
 from precond.torch import ProAdamW
 
@@ -321,7 +322,7 @@ def test_an_unusable_gradient_in_either_part_skips_both():
         _run(model, optimizer, [g])
         assert optimizer.skipped_steps == 1
         for n, p in model.named_parameters():
-            c = 4.0 if n in HIDDEN else 1.0
+            c = PRO_LR_MULTIPLIER if n in HIDDEN else 1.0
             torch.testing.assert_close(p.detach(), before[n] * (1 - c * LR * 0.1))
         for n, entry in zip(before, optimizer.state.values(), strict=True):
             assert entry.keys() == state[n].keys()

@@ -1,7 +1,7 @@
 """pro on the hidden weight matrices and AdamW on the rest, in one call: the
-recipe measured best on the bench's char-lm (BENCHMARKS.md, "pro on the hidden
-matrices, AdamW on the rest"), which was an ``optax.multi_transform`` of
-:func:`precond.jax.pro` and ``optax.adamw`` written by hand.
+setting measured best on ``precond bench``'s workloads (BENCHMARKS.md), first
+found as an ``optax.multi_transform`` of :func:`precond.jax.pro` and
+``optax.adamw`` written by hand.
 
 The parts are ``optax.multi_transform`` of ``pro(learning_rate ×
 pro_lr_multiplier, ...)`` and AdamW (``scale_by_adam``, decoupled weight decay,
