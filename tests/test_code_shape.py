@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "precond"
 MAX_LINES = 80
 
@@ -49,12 +51,18 @@ def test_no_function_of_the_optimizers_is_over_80_lines():
     assert [f for path in files for f in _long_functions(path)] == []
 
 
-JAX = SOURCE / "jax"
 MAX_MODULE_LINES = 600
+# Each framework's folders: one per family on a shared core (DESIGN.md §3).
+FRAMEWORKS = {
+    "jax": ["_core", "kron", "psgd", "shampoo"],
+    "torch": ["_core", "kfac", "kron"],
+}
 
 
-def test_no_module_of_precond_jax_is_over_600_lines():
-    lengths = {p: len(p.read_text().splitlines()) for p in sorted(JAX.rglob("*.py"))}
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_no_module_of_a_framework_is_over_600_lines(framework):
+    root = SOURCE / framework
+    lengths = {p: len(p.read_text().splitlines()) for p in sorted(root.rglob("*.py"))}
     long = [
         f"{path.relative_to(SOURCE)} ({n} lines)"
         for path, n in lengths.items()
@@ -63,14 +71,16 @@ def test_no_module_of_precond_jax_is_over_600_lines():
     assert long == []
 
 
-def test_precond_jax_is_subpackages_on_a_shared_core():
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_framework_is_subpackages_on_a_shared_core(framework):
     """One folder per family on ``_core``, at most eight modules left flat, and
     each folder says what it is in a three-line docstring."""
-    folders = sorted(p.name for p in JAX.iterdir() if (p / "__init__.py").exists())
-    assert folders == ["_core", "kron", "psgd", "shampoo"]
-    assert len(list(JAX.glob("*.py"))) <= 8
+    root = SOURCE / framework
+    folders = sorted(p.name for p in root.iterdir() if (p / "__init__.py").exists())
+    assert folders == FRAMEWORKS[framework]
+    assert len(list(root.glob("*.py"))) <= 8
     for folder in folders:
-        tree = ast.parse((JAX / folder / "__init__.py").read_text())
+        tree = ast.parse((root / folder / "__init__.py").read_text())
         docstring = ast.get_docstring(tree, clean=True)
         assert docstring is not None, folder
         assert len(docstring.splitlines()) == 3, folder

@@ -490,10 +490,10 @@ def _make_torch_kfac(model, lr: float, weight_decay: float) -> TorchOptimizer:
 KFAC_DAMPING = 0.003
 
 
-# The larger transformer's rates: the better of half and all of char-lm's (a
-# model the defaults were not chosen on; BENCHMARKS.md, "Models the defaults
-# were not chosen on"). Each is at the edge of those two, so the sweep leaves
-# room on AdamW's and pro_adamw's side below and on Muon's above.
+# The larger transformer's rates: the better of half and all of char-lm's
+# (BENCHMARKS.md, "Models the defaults were not chosen on"). Each is at the edge
+# of those two, so the sweep leaves room on AdamW's and pro_adamw's side below
+# and on Muon's above.
 CHAR_LM_LARGE_ADAMW = 5e-3
 CHAR_LM_LARGE_MUON = 0.04
 CHAR_LM_LARGE_PRO_ADAMW = 5e-3  # pro_adamw's: its lowest measured, an edge

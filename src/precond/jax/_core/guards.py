@@ -42,7 +42,7 @@ def gradients_are_usable(*trees) -> jax.Array:
     # reduction of stacked scalars into a chain of ``and``s over all the leaves
     # and fuses a copy of that chain into every consumer (each leaf's masked
     # update and state), so the program grew as leaves², and its compile time
-    # with it (BENCHMARKS.md, "pro: compile time").
+    # with it (BENCHMARKS.md's git history, "pro: compile time").
     return jnp.all(jax.lax.sort(finite.astype(jnp.int32)))
 
 

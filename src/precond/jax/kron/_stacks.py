@@ -79,7 +79,7 @@ def _stacked(config: KronConfig, step: _Step, tensors: list) -> list[jax.Array]:
     ]
     # Gathered whole first: the SPMD partitioner moves a sharded tensor into
     # blocks only by full rematerialisation, and gathering is cheaper and
-    # predictable (see BENCHMARKS.md, kron_sharded).
+    # predictable (BENCHMARKS.md's git history, kron_sharded).
     views = [sharding.constrain(v, PartitionSpec()) for v in views]
     return [
         sharding.constrain(x, sharding.stack_spec)

@@ -207,7 +207,7 @@ def _fit_unit(
 # Where a unit is as large as its factors the products dominate, and batches
 # were slower in ad-hoc trials. Other backends fit each stack in one vmap (not
 # measured there).
-# See BENCHMARKS.md, "Kron's fit in batches".
+# Measured in BENCHMARKS.md's git history, "Kron's fit in batches".
 FIT_BATCH_BYTES = 64 * 2**20
 
 

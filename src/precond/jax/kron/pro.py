@@ -83,7 +83,7 @@ def scale_by_pro(
         preconditioner_init_scale: every factor starts as this times identity.
         preconditioner_update_style: 'PRO' (Procrustes-rotated Q), 'QUAD' (symmetric Q)
             or 'QEQ' (Q ← Q − μQE: one d³ product per dense factor where 'PRO' takes
-            three; an addition of precond's, see BENCHMARKS.md).
+            three; an addition of precond's).
         dtype: float32 or bfloat16, of the momentum and factors (and the fit).
         scanned_layers: None, a pytree of bools like the params, or a callable of the
             params returning one: True marks a parameter stacked along a leading layer
@@ -173,7 +173,7 @@ def pro(
         preconditioner_init_scale: every factor starts as this times identity.
         preconditioner_update_style: 'PRO' (Procrustes-rotated Q), 'QUAD' (symmetric Q)
             or 'QEQ' (Q ← Q − μQE: one d³ product per dense factor where 'PRO' takes
-            three; an addition of precond's, see BENCHMARKS.md).
+            three; an addition of precond's).
         dtype: float32 or bfloat16, of the momentum and factors (and the fit).
         scanned_layers: None, a pytree of bools like the params, or a callable of the
             params returning one: True marks a parameter stacked along a leading layer

@@ -1,5 +1,3 @@
-"""The engine under precond's PyTorch optimizers, shared by every family.
-
-The optimizer base (checked param groups, the step's preamble), the step policy
-(seeded draws, skipping unusable gradients), Kronecker-factor kernels, DTensors.
-"""
+"""The engine under precond's PyTorch optimizers, shared by every family: the
+optimizer base (checked param groups, the step's preamble), the step policy (seeded
+draws, skipping unusable gradients), Kronecker-factor kernels, DTensor helpers."""

@@ -1,8 +1,6 @@
-"""PSGD's Kronecker-factored family for PyTorch: Kron, Pro and ProAdamW.
-
-Each optimizer's class, its argument checks, state and checkpoint handling, and
-the strategies that spread Kron's work over ``torch.distributed`` ranks.
-"""
+"""PSGD's Kronecker-factored family for PyTorch: Kron, Pro and ProAdamW, each with
+its argument checks, state and checkpoint handling, and the strategies that spread
+Kron's work over ``torch.distributed`` ranks."""
 
 from precond.torch.kron.kron import Kron
 from precond.torch.kron.pro import Pro
