@@ -1117,7 +1117,7 @@ def test_tiny_suite_of_every_optimizer_writes_a_consistent_report(
     env = document["environment"]
     for key in ("precond", "numpy", framework, "python", "cpu", "cpu_count"):
         assert env[key], key
-    assert env["threads"] == cli.available_cores()
+    assert env["threads"] == available_cores()
     if framework == "torch":
         assert env["torch_threads"] == env["threads"]
         assert env["torch_interop_threads"] >= 1
