@@ -79,10 +79,18 @@ def _kron(**kwargs):
 
 
 def _pro_adamw(model: nn.Module) -> Built:
-    # Reaches the least-squares floor within 30 steps, as Kron's rows: AdamW's
-    # rate 0.3·0.92^n on the bias, 4 times it on the weight (pro); no weight
-    # decay, so that zero gradients move nothing.
-    optimizer = ProAdamW(model.named_parameters(), lr=0.3, weight_decay=0.0)
+    # Tuned, as Kron's rows, to reach the least-squares floor within 30 steps (a
+    # run still descending at step 50 differs by more than 1% for one step
+    # less; the defaults, 2 times and momentum 0.7, are still descending):
+    # AdamW's rate 0.3·0.92^n on the bias, 4 times it on the weight (pro) with
+    # momentum 0.5; no weight decay, so that zero gradients move nothing.
+    optimizer = ProAdamW(
+        model.named_parameters(),
+        lr=0.3,
+        b1=0.5,
+        pro_lr_multiplier=4.0,
+        weight_decay=0.0,
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
 
     def step():
