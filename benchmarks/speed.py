@@ -8,7 +8,8 @@ time per step is the median over ``--rounds`` of each round's mean, and the row'
 ratio is the subject's over the reference's: precond/original for a pair,
 × AdamW for the others. Times compare only within one run; ratios across runs
 only on the same machine. JAX runs on its default device, torch on CUDA when
-there is one (``--torch-device``).
+there is one (``--torch-device``). With the JAX pairs, XLA:CPU's pool has at
+least :data:`ORIGINALS_XLA_POOL` threads, which the header records.
 
 Usage::
 
@@ -43,6 +44,12 @@ TABLES = {
     "torch-pairs": ("precond", "original", "precond / original"),
     "torch-adamw": ("optimizer", "AdamW", "× AdamW"),
 }
+# XLA:CPU's intra-op pool while the JAX pairs run. distributed-kron's updates
+# make batched LAPACK calls that block a pool thread each until the pool runs
+# their pieces; with a pool of 2 (the CI machine's cores) they block all of it and
+# the process hangs (src/precond/jax/_core/pool_safe_linalg.py says how; precond's
+# own programs make no such call). Both sides of every JAX case run on this pool.
+ORIGINALS_XLA_POOL = 8
 
 
 def measure(steppers: Sequence[Callable[[int], None]], steps: int, rounds: int):
@@ -114,6 +121,8 @@ def header(command: str, env: dict[str, Any], date: str, quick: bool, rounds: in
     cores = env.get("available_cores", env.get("cpu_count"))
     device = env.get("device", "cpu")
     torch_device = env.get("torch_device")
+    pool = env.get("xla_pool_threads")
+    device += f" (XLA pool {pool})" if pool not in (None, "cores", str(cores)) else ""
     devices = f"JAX on {device}" + (
         f", torch on {torch_device}" if torch_device else ""
     )
@@ -231,9 +240,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, list[dict]]:
     args = parse_args(argv)
-    from precond.bench.machine import configure_threads, environment
+    from precond.bench.machine import (
+        XLA_POOL_VARIABLE,
+        configure_threads,
+        environment,
+    )
 
     threads = configure_threads(args.threads, ("jax", "torch"))
+    if "jax-pairs" in args.tables:
+        os.environ[XLA_POOL_VARIABLE] = str(max(args.threads, ORIGINALS_XLA_POOL))
     if args.torch_device:
         os.environ["PRECOND_TORCH_DEVICE"] = args.torch_device
     import jax  # noqa: F401  (after the threads are set)
