@@ -406,8 +406,9 @@ _DIVERGES = (
     "float32 Rosenbrock at the default learning rate (1e-2): the iterates "
     "leave the valley after converging (steps 2000-9500), and then every "
     "gradient is above the step guard's limit (1.8e19): every step is skipped "
-    "and the parameters stop, loudly: the first skipped step logs a WARNING on "
-    "the `precond.jax` logger, and `precond.jax.skipped_steps(state)` counts them"
+    "and the parameters stop: `precond.jax.skipped_steps(state)` counts them "
+    "(and the first one logs a WARNING on the `precond.jax` logger when its "
+    "level is set to WARNING)"
 )
 _PSGD_JAX_DIVERGES = (
     "psgd-jax 0.1.5 does the same with the same defaults (the seed contract): "

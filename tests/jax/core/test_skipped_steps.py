@@ -3,12 +3,13 @@
 Every JAX optimizer skips a step whose gradient is unusable (NaN, ±Inf, or so
 large that its squared norm overflows): zero update, state unchanged but for
 its count of skipped steps, ``skipped``, which ``precond.jax.skipped_steps``
-reads from any optax state. The first skipped step of each optimizer is logged
-once at WARNING on the ``precond.jax`` logger by a host callback compiled into
-the step, unless that logger is above WARNING when the step is traced (a
-program with a host callback is not written to JAX's persistent compilation
-cache). Run over every optimizer and variant of the robustness table
-(``tests/jax/helpers.py``'s ``EVERY_OPTIMIZER``).
+reads from any optax state. Asked for (the ``precond.jax`` logger's own level
+set to WARNING or lower when the step is traced), the first skipped step of
+each optimizer is logged once at WARNING by a host callback compiled into the
+step; by default there is no callback (it costs every step, and a program with
+one is not written to JAX's persistent compilation cache). Run over every
+optimizer and variant of the robustness table (``tests/jax/helpers.py``'s
+``EVERY_OPTIMIZER``).
 """
 
 from __future__ import annotations
@@ -86,10 +87,12 @@ def test_init_on_abstract_params_has_an_int32_counter(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_with_the_logger_above_warning_no_callback_is_compiled_in(name, caplog):
-    """The step traced while ``precond.jax`` logs only errors has no host
-    callback (it stays cacheable) and logs nothing; the count goes on. Traced
-    with the logger at WARNING, it has one."""
+def test_the_callback_is_compiled_in_only_when_asked_for(name, caplog):
+    """The step traced with the ``precond.jax`` logger's level unset (WARNING
+    inherited from the root logger: the default) or at ERROR has no host
+    callback (it costs every step, and a program with one is not cached) and
+    logs nothing; the count goes on. Traced with the logger's level set to
+    WARNING, it has one."""
     grads = _gradients(bad=jnp.nan)
 
     def lowered_text():
@@ -97,6 +100,9 @@ def test_with_the_logger_above_warning_no_callback_is_compiled_in(name, caplog):
         state = optimizer.init(PARAMS)
         return jax.jit(optimizer.update).lower(grads, state, PARAMS).as_text()
 
+    assert logging.getLogger(LOGGER).level == logging.NOTSET
+    assert logging.getLogger(LOGGER).isEnabledFor(logging.WARNING)
+    assert "callback" not in lowered_text()
     caplog.set_level(logging.WARNING, logger=LOGGER)
     assert "callback" in lowered_text()
     caplog.set_level(logging.ERROR, logger=LOGGER)

@@ -36,15 +36,15 @@ def skipped_steps(state: Any) -> jax.Array:
     ``PSGDState`` and ``ShampooState``, saturating at 2³¹ − 1). Works eagerly
     and under ``jit``.
 
-    The first skipped step of each optimizer (each ``kron(...)``,
+    Asked for, the first skipped step of each optimizer (each ``kron(...)``,
     ``scale_by_pro(...)``, ... call) is also logged once per process at
     WARNING on the logger ``"precond.jax"``, from inside the jitted step by a
-    host callback that runs on skipped steps only. A program with a host
-    callback is not written to JAX's persistent compilation cache: to keep
-    compiled steps cacheable, call
-    ``logging.getLogger("precond.jax").setLevel(logging.ERROR)`` before the
-    step is traced (its first call under ``jit``); the callback is then left
-    out and nothing is logged; the count goes on.
+    host callback that runs on skipped steps only: call
+    ``logging.getLogger("precond.jax").setLevel(logging.WARNING)`` before the
+    step is traced (its first call under ``jit``). By default the callback is
+    left out: it costs every step, taken or not (about 1 ms of a 2.5 ms Kron
+    step on a small model, 2 CPU cores), and a program holding one is not
+    written to JAX's persistent compilation cache.
 
     Args:
         state: an optax state (or a tree holding one, such as ``nnx.Optimizer``'s

@@ -43,7 +43,7 @@ or finite ones from about 1.8e19, whose squares would overflow the
 statistics -- the step returns zero updates and leaves the whole state
 unchanged (count included), as the PSGD optimizers do, but for its count of
 skipped steps, ``state.skipped`` (:func:`precond.jax.skipped_steps`; the first
-skipped step is logged at WARNING).
+skipped step is logged at WARNING when asked for).
 
 Parameters must be real floating-point arrays (complex and integer ones are
 refused at ``init``); scalars, empty tensors and tensors with a dim above
