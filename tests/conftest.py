@@ -76,3 +76,32 @@ def _optimized_xla(request):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+# --- where the suite's time goes -------------------------------------------------
+
+# Seconds per test file (setup, call and teardown of its tests, on every worker),
+# summed as the reports arrive, and printed at the end of the run: the README's
+# test command has a time budget (issue 64: 600 s of pytest on 2 cores), and this
+# says which files spend it.
+_SECONDS_PER_FILE: dict[str, float] = {}
+FILES_SHOWN = 15
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _SECONDS_PER_FILE[path] = _SECONDS_PER_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS_PER_FILE:
+        return
+    total = sum(_SECONDS_PER_FILE.values())
+    slowest = sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1])
+    terminalreporter.section(
+        f"test seconds per file (all workers: {total:.0f} s in all)"
+    )
+    for path, seconds in slowest[:FILES_SHOWN]:
+        terminalreporter.write_line(
+            f"{seconds:8.1f} s {100 * seconds / total:5.1f}%  {path}"
+        )
