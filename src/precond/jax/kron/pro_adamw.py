@@ -9,7 +9,7 @@ pro_lr_multiplier, ...)`` and AdamW (``scale_by_adam``, decoupled weight decay,
 anywhere (NaN, ±Inf, or a squared norm that overflows) is skipped by both parts
 (state unchanged, parameters moved by weight decay alone), as each of precond's
 optimizers skips it; pro's state counts the skipped steps
-(:func:`precond.jax.skipped_steps`) and pro logs the first.
+(:func:`precond.jax.skipped_steps`) and, when asked for, pro logs the first.
 """
 
 from __future__ import annotations
