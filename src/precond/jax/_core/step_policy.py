@@ -34,9 +34,8 @@ that only runs on a skipped step. It is compiled in only when that logger's own
 level is set to WARNING or lower when the step is traced
 (:func:`warning_wanted`): a host callback costs every step, taken or not (it
 makes the dispatch of the step synchronous and XLA:CPU schedules the program
-around it: about 1 ms of a 2.5 ms Kron step on the bench's digits MLP, 2 CPU
-cores), and a program holding one is not written to JAX's persistent
-compilation cache.
+around it; CHANGELOG.md has the measurement), and a program holding one is not
+written to JAX's persistent compilation cache.
 """
 
 from __future__ import annotations
