@@ -240,15 +240,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, list[dict]]:
     args = parse_args(argv)
-    from precond.bench.machine import (
-        XLA_POOL_VARIABLE,
-        configure_threads,
-        environment,
-    )
+    from precond.bench.machine import configure_threads, environment
 
-    threads = configure_threads(args.threads, ("jax", "torch"))
+    xla_pool = None
     if "jax-pairs" in args.tables:
-        os.environ[XLA_POOL_VARIABLE] = str(max(args.threads, ORIGINALS_XLA_POOL))
+        xla_pool = max(args.threads, ORIGINALS_XLA_POOL)
+    threads = configure_threads(args.threads, ("jax", "torch"), xla_pool=xla_pool)
     if args.torch_device:
         os.environ["PRECOND_TORCH_DEVICE"] = args.torch_device
     import jax  # noqa: F401  (after the threads are set)

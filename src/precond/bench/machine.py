@@ -36,7 +36,10 @@ def available_cores() -> int:
 
 
 def configure_threads(
-    threads: int, frameworks: tuple[str, ...], devices: int = 1
+    threads: int,
+    frameworks: tuple[str, ...],
+    devices: int = 1,
+    xla_pool: int | None = None,
 ) -> dict[str, int]:
     """Gives JAX and torch ``threads`` intra-op threads each; returns what was set.
 
@@ -44,13 +47,20 @@ def configure_threads(
     backend starts; afterwards, and with ``devices`` > 1 simulated JAX devices
     (which share the pool), XLA's pool is left as it is (:func:`environment`
     records it).
+
+    Args:
+      threads: intra-op threads of torch, and of XLA unless ``xla_pool`` is given.
+      frameworks: the frameworks to configure (``"jax"``, ``"torch"``).
+      devices: the number of simulated JAX devices.
+      xla_pool: XLA:CPU's pool size when it must differ from ``threads`` (a
+        program that blocks pool threads needs more of them); None: ``threads``.
     """
     for name in POOL_SIZE_VARIABLES:
         os.environ[name] = str(threads)
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     settings = {"threads": threads, "openblas_threads": 1}
     if "jax" in frameworks and devices == 1 and "jax" not in sys.modules:
-        os.environ[XLA_POOL_VARIABLE] = str(threads)
+        os.environ[XLA_POOL_VARIABLE] = str(threads if xla_pool is None else xla_pool)
     if "torch" in frameworks:
         import torch
 
