@@ -97,6 +97,7 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
     from precond.jax.psgd.affine import AFFINE_ARGUMENT_CHECKS
     from precond.jax.psgd.lra import LRA_ARGUMENT_CHECKS
     from precond.jax.shampoo._config import ARGUMENT_CHECKS as SHAMPOO_CHECKS
+    from precond.jax.soap._config import ARGUMENT_CHECKS as SOAP_CHECKS
 
     psgd = {**ALIAS_ARGUMENT_CHECKS, **PSGD_ARGUMENT_CHECKS}
     entries = [
@@ -132,13 +133,18 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
             dict(SHAMPOO_CHECKS),
             (),
         ),
+        ("precond.jax.soap", pj.soap, dict(SOAP_CHECKS), ()),
     ]
     try:
         import precond.torch.kron._kron_arguments as torch_kron
         import precond.torch.kron.kron as torch_kron_optimizer
         import precond.torch.kron.pro as torch_pro
         import precond.torch.kron.pro_adamw as torch_pro_adamw
+        import precond.torch.shampoo._arguments as torch_shampoo_arguments
+        import precond.torch.soap._soap_arguments as torch_soap_arguments
+        from precond.torch import SOAP, Shampoo
         from precond.torch.kfac import preconditioner as kfac
+        from precond.torch.kron.strategies import check_strategy
     except ModuleNotFoundError:  # no torch: the JAX tables only
         return entries
     return [
@@ -159,6 +165,24 @@ def _entries() -> list[tuple[str, Callable, dict[str, Check], tuple[str, ...]]]:
             "precond.torch.ProAdamW",
             torch_pro_adamw.ProAdamW,
             dict(torch_pro_adamw.GROUP_ARGUMENTS + torch_pro_adamw.OPTIMIZER_ARGUMENTS),
+            ("params",),
+        ),
+        (
+            "precond.torch.Shampoo",
+            Shampoo,
+            {
+                **dict(torch_shampoo_arguments.GROUP_ARGUMENTS),
+                "strategy": check_strategy,
+            },
+            ("params",),
+        ),
+        (
+            "precond.torch.SOAP",
+            SOAP,
+            {
+                **dict(torch_soap_arguments.GROUP_ARGUMENTS),
+                "strategy": check_strategy,
+            },
             ("params",),
         ),
         ("precond.torch.kfac.KFAC", kfac.KFAC, dict(kfac._ARGUMENT_CHECKS), ("model",)),

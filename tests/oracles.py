@@ -134,3 +134,15 @@ def optax_shampoo() -> types.ModuleType:
     if not _installed("optax_shampoo"):
         _missing("optax-shampoo==0.0.6")
     return importlib.import_module("optax_shampoo.distributed_shampoo")
+
+
+def import_heavyball() -> types.ModuleType:
+    """HeavyBall 3.2.1's ``heavyball`` package (``SOAP``, the oracle of
+    precond.torch.SOAP), with its ``torch.compile`` of each step turned off
+    (``heavyball.utils.compile_mode = None``): the same math, run eagerly, which
+    keeps a test's CPU time low."""
+    if not _installed("heavyball"):
+        _missing("heavyball==3.2.1")
+    heavyball = importlib.import_module("heavyball")
+    heavyball.utils.compile_mode = None
+    return heavyball

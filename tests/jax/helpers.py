@@ -102,9 +102,11 @@ def _shampoo(graft, quantised):
 # name ↦ (learning rate ↦ optimizer): every public JAX optimizer and variant, for
 # the tables that run over all of them (robustness, checkpoints): Kron in every
 # update style (EQ in every cache), pro (distributed-kron 2.0.0's), pro_adamw,
-# XMat, LRA, Affine, and Shampoo in every grafting type. Kron, pro, pro_adamw,
-# XMat, LRA and Affine update their preconditioner at random steps (probability
-# 0.5); Shampoo preconditions from step 2 on blocks of 4.
+# XMat, LRA, Affine, Shampoo in every grafting type, and SOAP. Kron, pro,
+# pro_adamw, XMat, LRA and Affine update their preconditioner at random steps
+# (probability 0.5); Shampoo preconditions from step 2 on blocks of 4; SOAP
+# refreshes its bases every 2 steps, on blocks of 4 (its default weight decay
+# 0.01 off, as the others').
 EVERY_OPTIMIZER = {
     "kron-EQ-packed": _kron("EQ"),
     "kron-EQ-dense": _kron("EQ", "dense"),
@@ -136,4 +138,7 @@ EVERY_OPTIMIZER = {
         for quantised in (False, True)
         if quantised is False or graft in (pj.GraftingType.SGD, pj.GraftingType.ADAGRAD)
     },
+    "soap": lambda lr: pj.soap(
+        lr, weight_decay=0.0, precondition_frequency=2, block_size=4
+    ),
 }

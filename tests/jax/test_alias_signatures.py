@@ -1,9 +1,10 @@
 """Every JAX alias lists its ``scale_by_*`` transformation's arguments, unchanged.
 
 optax's convention is an alias (``kron``, ``pro``, ``distributed_shampoo``,
-``xmat``, ``lra``, ``affine``) that chains a ``scale_by_*`` transformation with
-weight decay and a learning rate. Both are public with explicit signatures (the
-seeds' contracts, checked against the seeds by the parity tests), so each
+``xmat``, ``lra``, ``affine``, ``soap``) that chains a ``scale_by_*``
+transformation with weight decay and a learning rate. Both are public with
+explicit signatures (the seeds' contracts, checked against the seeds by the
+parity tests), so each
 argument is written twice. This table makes them one decision: the alias has
 every argument of its transformation with the same kind and default, in the
 same relative order, plus only the arguments of the steps it adds.
@@ -35,6 +36,7 @@ ALIASES = {
     "xmat": ("scale_by_xmat", {"learning_rate", "weight_decay", "mask"}),
     "lra": ("scale_by_lra", {"learning_rate", "weight_decay", "mask"}),
     "affine": ("scale_by_affine", {"learning_rate", "weight_decay", "mask"}),
+    "soap": ("scale_by_soap", {"learning_rate", "weight_decay", "weight_decay_mask"}),
 }
 
 

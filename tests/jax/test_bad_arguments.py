@@ -49,6 +49,10 @@ FAMILIES = {
         ),
         None,
     ),
+    "soap": (
+        lambda **kw: pj.soap(1e-2, precondition_frequency=1, **kw),
+        "weight_decay_mask",
+    ),
 }
 NAMES = list(FAMILIES)
 MASKED = [name for name in NAMES if FAMILIES[name][1] is not None]
@@ -163,7 +167,7 @@ def _mesh():
     return jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
 
 
-SHARDED = ["kron", "pro", "xmat", "affine", "shampoo"]
+SHARDED = ["kron", "pro", "xmat", "affine", "shampoo", "soap"]
 
 
 @pytest.mark.parametrize("name", SHARDED)

@@ -215,6 +215,24 @@ OPTIMIZERS: dict[str, Row] = {
         train=SHAMPOO_TRAIN,
         learning_rates=SHAMPOO_RATES,
     ),
+    "soap": Row(
+        pj.soap,
+        # max_precond_dim=3: w's 4×4 statistic from one (4, 3) gradient has
+        # eigenvalues 0 and 0.015 (of 12), whose eigenvectors an ulp of the
+        # gradient moves by 1e-4; w keeps its 3×3 one (gaps of 2.6 and more).
+        dict(
+            learning_rate=0.05,
+            block_size=4,
+            precondition_frequency=2,
+            max_precond_dim=3,
+        ),
+        pj.SOAP_STATIC_ARGS,
+        params_fields=("mu", "nu"),
+        complex_params=False,
+        # No weight decay (its default is 0.01), as pro's row: it pulls towards
+        # 0, not towards Rosenbrock's (1, 1).
+        train=dict(weight_decay=0.0),
+    ),
 }
 NAMES = sorted(OPTIMIZERS)
 STEPS = 5

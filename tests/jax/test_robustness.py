@@ -167,6 +167,8 @@ DECAYING = {
         )
         for decoupled in (False, True)
     },
+    # SOAP's decay is optax's decoupled step after its transform, as the PSGD ones.
+    "soap": (lambda: pj.soap(LEARNING_RATE, weight_decay=0.1), True),
 }
 
 
@@ -341,6 +343,20 @@ EXTREME_SETTINGS = {
             clip_by_scaled_gradient_norm=[1e-30],
         ),
     ),
+    "soap": (
+        functools.partial(pj.soap, precondition_frequency=2),
+        dict(
+            learning_rate=[1e6],
+            b1=[0.0, 0.999999],
+            b2=[0.0, 0.999999],
+            shampoo_beta=[0.0, 0.999999],
+            eps=[1e-30, 1e30],
+            max_precond_dim=[0, 1],
+            precondition_1d=[True],
+            normalize_grads=[True],
+            block_size=[1],
+        ),
+    ),
 }
 
 
@@ -374,7 +390,14 @@ def test_extreme_but_valid_settings_keep_the_state_finite(family):
 
 # One row per algorithm family (each compiles once per drawn shape, so the table
 # is kept to the families whose code paths differ in how they handle shapes).
-HYPOTHESIS_OPTIMIZERS = ["kron-EQ-packed", "kron-PRO", "xmat", "affine", "shampoo-SGD"]
+HYPOTHESIS_OPTIMIZERS = [
+    "kron-EQ-packed",
+    "kron-PRO",
+    "xmat",
+    "affine",
+    "shampoo-SGD",
+    "soap",
+]
 _DIMS = st.sampled_from([0, 1, 2, 3, 5, 17, 64])
 # Gradient scales from 1e-30 to 1e25: below the overflow limit the step is taken,
 # above it (Σg² not finite in float32, from about 1.8e19) it is skipped.

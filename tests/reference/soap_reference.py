@@ -52,8 +52,8 @@ import numpy as np
 
 
 def merged_shape(shape: Sequence[int], max_precond_dim: int) -> list[int]:
-    """The authors' greedy merge: adjacent dims are multiplied together while the
-    product stays ≤ ``max_precond_dim``; a dim that is larger on its own stands alone."""
+    """The authors' greedy merge: adjacent dims are multiplied together while
+    the product stays ≤ ``max_precond_dim``; a dim larger on its own stands alone."""
     merged, product = [], 1
     for d in shape:
         if product * d > max_precond_dim:
@@ -166,7 +166,8 @@ class SoapReference:
         if not self.initialised:
             self._accumulate(g)
             self.bases = [
-                None if s is None else descending_eigenvectors(s) for s in self.statistics
+                None if s is None else descending_eigenvectors(s)
+                for s in self.statistics
             ]
             self.initialised = True
             return p

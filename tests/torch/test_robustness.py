@@ -38,7 +38,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from precond.torch import Kron, ProAdamW
+from precond.torch import SOAP as _SOAP
+from precond.torch import GraftingType, Kron, ProAdamW, Shampoo
 from precond.torch.kfac import KFAC, DistributedStrategy
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -109,6 +110,34 @@ def _pro_adamw(model: nn.Module) -> Built:
     return Built(step, state)
 
 
+def _soap(model: nn.Module) -> Built:
+    # Tuned, as Kron's rows, to reach the least-squares floor within ~40 steps
+    # (one step less then costs 0.2% of the loss): lr 0.5·0.92^n, β₁ = 0.5,
+    # bases refreshed every 5 steps; no weight decay, so that zero gradients
+    # move nothing.
+    optimizer = _SOAP(
+        model.parameters(),
+        lr=0.5,
+        betas=(0.5, 0.95),
+        weight_decay=0.0,
+        precondition_frequency=5,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
+
+    def step():
+        optimizer.step()
+        schedule.step()
+
+    def state():
+        tensors = []
+        for entry in optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq", "statistics", "bases"):
+                tensors += entry[key]
+        return tensors
+
+    return Built(step, state)
+
+
 def _kfac(strategy: DistributedStrategy):
     def build(model: nn.Module) -> Built:
         # Reaches the least-squares floor within 30 steps.
@@ -135,11 +164,40 @@ def _kfac(strategy: DistributedStrategy):
     return build
 
 
+def _shampoo(model: nn.Module) -> Built:
+    # Tuned, as Kron's rows, to reach the least-squares floor within 30 steps:
+    # AdaGrad grafting, lr 0.5·0.92^n, momentum 0.5, blocks of 4.
+    optimizer = Shampoo(
+        model.parameters(),
+        lr=0.5,
+        beta1=0.5,
+        block_size=4,
+        graft_type=GraftingType.ADAGRAD,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
+
+    def step():
+        optimizer.step()
+        schedule.step()
+
+    def state():
+        tensors = []
+        for entry in optimizer.state.values():
+            for key in ("momentum", "diagonal_momentum", "diagonal_statistics"):
+                tensors += [entry[key]] if key in entry else []
+            tensors += entry["statistics"] + entry["preconditioners"]
+        return tensors
+
+    return Built(step, state)
+
+
 OPTIMIZERS = {
     "kron": _kron(),
     "kron-one_diag": _kron(memory_save_mode="one_diag"),
     "kron-all_diag": _kron(memory_save_mode="all_diag"),
     "pro-adamw": _pro_adamw,
+    "soap": _soap,
+    "shampoo": _shampoo,
     **{f"kfac-{s.name}": _kfac(s) for s in DistributedStrategy},
 }
 KFAC_ROWS = [name for name in OPTIMIZERS if name.startswith("kfac")]

@@ -10,8 +10,10 @@ weight matrices, AdamW on the rest: the recipe measured best) with its split
 ``pro_adamw_hidden_matrices``; ``distributed_shampoo`` (Google's
 Distributed Shampoo, with its state helpers and the matrix functions
 ``matrix_inverse_pth_root``, ``_eigh`` and ``power_iteration``);
-``skipped_steps``, the count of steps skipped for unusable gradients in any of
-their states. Kernels of one tensor live in ``precond.jax._core.factor_kernels``.
+``soap`` / ``scale_by_soap`` (SOAP: Adam in the eigenbasis of Shampoo's
+factors) with ``SoapState``; ``skipped_steps``, the count of steps skipped
+for unusable gradients in any of their states. Kernels of one tensor live in
+``precond.jax._core.factor_kernels``.
 """
 
 from precond.jax._core.skipped_steps import skipped_steps
@@ -69,6 +71,13 @@ from precond.jax.shampoo.transform import (
     distributed_shampoo,
     scale_by_shampoo,
 )
+from precond.jax.soap.transform import (
+    SCALE_BY_SOAP_STATIC_ARGS,
+    SOAP_STATIC_ARGS,
+    SoapState,
+    scale_by_soap,
+    soap,
+)
 
 __all__ = [
     "AFFINE_STATIC_ARGS",
@@ -77,7 +86,9 @@ __all__ = [
     "PRO_ADAMW_STATIC_ARGS",
     "PRO_STATIC_ARGS",
     "SCALE_BY_SHAMPOO_STATIC_ARGS",
+    "SCALE_BY_SOAP_STATIC_ARGS",
     "SHAMPOO_STATIC_ARGS",
+    "SOAP_STATIC_ARGS",
     "GraftingType",
     "InitFnState",
     "KronState",
@@ -88,6 +99,7 @@ __all__ = [
     "QuantizedArray",
     "SeedShampooState",
     "ShampooState",
+    "SoapState",
     "TrainingMetrics",
     "affine",
     "distributed_shampoo",
@@ -113,9 +125,11 @@ __all__ = [
     "scale_by_lra",
     "scale_by_pro",
     "scale_by_shampoo",
+    "scale_by_soap",
     "scale_by_xmat",
     "seed_parameter_stats",
     "shampoo_state_from_seed",
     "skipped_steps",
+    "soap",
     "xmat",
 ]

@@ -18,12 +18,18 @@ from precond.torch.kron import (
     Strategy,
     precond_update_prob_schedule,
 )
+from precond.torch.shampoo import GraftingType, PreconditionerType, Shampoo
+from precond.torch.soap import SOAP
 
 __all__ = [
+    "SOAP",
+    "GraftingType",
     "Kron",
+    "PreconditionerType",
     "Pro",
     "ProAdamW",
     "Replicated",
+    "Shampoo",
     "ShardedPreconditioning",
     "Strategy",
     "precond_update_prob_schedule",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import precond.jax as pj
-from precond.jax._core.pool_safe_linalg import eigh, triangular_solve
+from precond.jax._core.pool_safe_linalg import eigh, qr, triangular_solve
 
 
 def _upper(rng, shape, dtype):
@@ -101,6 +101,21 @@ def test_eigh_batched_equals_numpy():
     np.testing.assert_allclose(rebuilt, matrices, rtol=1e-10, atol=1e-10)
 
 
+def test_qr_batched_equals_numpy():
+    """Q of a nested batch, one matrix at a time: orthonormal, and Q·R = A with
+    R = QᵀA upper triangular (Q is unique up to its columns' signs)."""
+    rng = np.random.default_rng(3)
+    matrices = rng.standard_normal((2, 3, 6, 6))
+    with jax.enable_x64(True):
+        q = np.asarray(jax.jit(jax.vmap(jax.vmap(qr)))(matrices))
+    eye = np.broadcast_to(np.eye(6), q.shape)
+    np.testing.assert_allclose(np.swapaxes(q, -1, -2) @ q, eye, atol=1e-12)
+    r = np.swapaxes(q, -1, -2) @ matrices
+    np.testing.assert_allclose(np.tril(r, -1), 0.0, atol=1e-12)
+    want = np.linalg.qr(matrices)[0]
+    np.testing.assert_allclose(np.abs(q), np.abs(want), atol=1e-10)
+
+
 # A stack of equal-shaped layers, so that every optimizer vmaps its kernels.
 PARAMS = {
     "w": jnp.ones((4, 24, 24)) + jnp.eye(24),
@@ -112,7 +127,10 @@ OPTIMIZERS = {
     "pro": lambda: pj.pro(1e-3),
     "affine": lambda: pj.affine(1e-3),
     "shampoo-eigh": lambda: pj.distributed_shampoo(1e-3, block_size=8, eigh=True),
+    "soap": lambda: pj.soap(1e-3, block_size=8),
 }
+# The optimizers whose programs make LAPACK calls (one matrix at a time).
+WITH_LAPACK = ("shampoo-eigh", "soap")
 # A LAPACK call through jaxlib's FFI (lapack_strsm_ffi, lapack_ssyevd_ffi, ...)
 # and the number of batch axes it was given.
 LAPACK_CALL = re.compile(r'@lapack_(\w+?)_ffi\(.*num_batch_dims = "(\d+)"')
@@ -133,9 +151,9 @@ def _lapack_calls(name: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_no_batched_lapack_call(name):
-    """Every LAPACK call left (Shampoo's eigh, one matrix at a time) takes one
-    matrix, where jaxlib's batch splitting has nothing to split; the check sees
-    the calls (Shampoo's eigh is one)."""
+    """Every LAPACK call left (Shampoo's eigh, SOAP's eigh and QR, one matrix at
+    a time) takes one matrix, where jaxlib's batch splitting has nothing to
+    split; the check sees the calls."""
     calls = _lapack_calls(name)
     assert all(batch_axes == "0" for _, batch_axes in calls), calls
-    assert bool(calls) == (name == "shampoo-eigh"), calls
+    assert bool(calls) == (name in WITH_LAPACK), calls

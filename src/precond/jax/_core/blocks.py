@@ -1,15 +1,19 @@
 """Moves arrays between a tensor and the blocks of its regions (JAX).
 
-The one blocking engine of Kron, pro and Shampoo: a region
+The one blocking engine of Kron, pro, Shampoo and SOAP: a region
 (:class:`precond._common.blocking.Region`) of a tensor with leading axes
 ``lead`` becomes a stack of ``prod(lead)·region.count`` units of the region's
 block shape, leading index first, then the blocks in row-major order of the
-region's grid; :func:`join` puts the regions' units back.
+region's grid; :func:`join` puts the regions' units back. The block algebra of
+Kronecker-factored statistics (Shampoo, SOAP) works on such stacks: per block axis
+k, the grams ``G ⋅_{¬k} G`` (:func:`block_grams`) and the products with a stack of
+(n_k, n_k) matrices (:func:`along_each`).
 """
 
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Sequence
 
 import jax
@@ -85,3 +89,38 @@ def _concatenated(blocks: dict, axis: int, prefix: tuple[int, ...]) -> jax.Array
 def units_of(region: Region, lead: tuple[int, ...]) -> int:
     """Number of units :func:`cut` makes of ``region`` with leading axes ``lead``."""
     return math.prod(lead) * region.count
+
+
+def _letters(rank: int) -> str:
+    return string.ascii_lowercase[:rank]
+
+
+def block_grams(blocks: jax.Array, axes, precision) -> dict[int, jax.Array]:
+    """Per axis k in ``axes``: (units, n_k, n_k), each block of the stack
+    ``blocks`` contracted with itself over every other axis (G_b·G_bᵀ along k),
+    at matmul ``precision``."""
+    letters = _letters(blocks.ndim - 1)
+    grams = {}
+    for k in axes:
+        a = letters[k]
+        other = letters.replace(a, "A")
+        spec = f"z{letters},z{other}->z{a}A"
+        grams[k] = jnp.einsum(spec, blocks, blocks, precision=precision)
+    return grams
+
+
+def along_each(
+    blocks: jax.Array, axes, matrices: list[jax.Array], precision
+) -> jax.Array:
+    """``G_b ×_k M_kᵀ`` for each axis k of ``axes``: that axis of every block of
+    the stack contracted with the rows of its (units, n_k, n_k) matrix
+    (``out[..., j, ...] = Σ_i G[..., i, ...]·M[i, j]``; the other axes are left as
+    they are), at matmul ``precision``."""
+    letters = _letters(blocks.ndim - 1)
+    for k, matrix in zip(axes, matrices, strict=True):
+        a = letters[k]
+        out = letters.replace(a, "A")
+        blocks = jnp.einsum(
+            f"z{letters},z{a}A->z{out}", blocks, matrix, precision=precision
+        )
+    return blocks

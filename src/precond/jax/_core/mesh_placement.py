@@ -67,7 +67,7 @@ class ShardingPlan(NamedTuple):
             for x, spec in zip(leaves, self.param_specs, strict=True)
         ]
 
-    def run(self, body: Callable, out_specs: Any, *args):
+    def run(self, body: Callable, out_specs: Any, *args) -> Any:
         """``body(*args)``; on an explicit mesh, under ``auto_axes`` so that its
         internal sharding constraints apply, with outputs sharded by
         ``out_specs`` (a pytree of PartitionSpecs like the outputs)."""

@@ -13,8 +13,8 @@ programs make no batched LAPACK call:
   CPU, which XLA expands into loops of matrix products inside the program:
   nothing waits on the pool, and batch axes are split over devices like any
   other (it is also several times faster than the LAPACK call there).
-* :func:`eigh` maps a batch one matrix at a time (``lax.map``): a LAPACK call
-  on one matrix runs on its caller's thread.
+* :func:`eigh` and :func:`qr` map a batch one matrix at a time (``lax.map``):
+  a LAPACK call on one matrix runs on its caller's thread.
 
 Other backends get ``jax.lax.linalg``'s kernels unchanged.
 """
@@ -50,6 +50,27 @@ def eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _eigh_one_at_a_time(axis_size, in_batched, matrices):
     del axis_size, in_batched  # one argument, batched: the rule is only called so
     return jax.lax.map(eigh, matrices), (True, True)
+
+
+@jax.custom_batching.custom_vmap
+def qr(matrix: jax.Array) -> jax.Array:
+    """The orthonormal factor Q of ``jnp.linalg.qr`` (Householder, R's diagonal
+    of either sign), batched by ``jax.vmap`` into a loop over the batch (module
+    docstring).
+
+    Args:
+      matrix: one (m, n) matrix, m >= n.
+
+    Returns:
+      Q, (m, n), with ``matrix = Q·R`` for an upper triangular R.
+    """
+    return jnp.linalg.qr(matrix)[0]
+
+
+@qr.def_vmap
+def _qr_one_at_a_time(axis_size, in_batched, matrices):
+    del axis_size, in_batched  # as eigh's rule
+    return jax.lax.map(qr, matrices), True
 
 
 def triangular_solve(

@@ -11,9 +11,10 @@ from precond.jax.kron._pro_config import ProState
 from precond.jax.kron._state import KronState
 from precond.jax.psgd._transform import PSGDState
 from precond.jax.shampoo._state import ShampooState
+from precond.jax.soap._state import SoapState
 
 # The states whose ``skipped`` field counts their optimizer's skipped steps.
-STATES_WITH_SKIP_COUNTS = (KronState, ProState, PSGDState, ShampooState)
+STATES_WITH_SKIP_COUNTS = (KronState, ProState, PSGDState, ShampooState, SoapState)
 
 
 def _is_counting_state(node: Any) -> bool:
@@ -33,8 +34,8 @@ def skipped_steps(state: Any) -> jax.Array:
     ±Inf or so large that its squared norm overflows: its update is zero
     (the parameters move by decoupled weight decay alone, if any) and no state
     changes but this count (``skipped`` in ``KronState``, ``ProState``,
-    ``PSGDState`` and ``ShampooState``, saturating at 2³¹ − 1). Works eagerly
-    and under ``jit``.
+    ``PSGDState``, ``ShampooState`` and ``SoapState``, saturating at 2³¹ − 1).
+    Works eagerly and under ``jit``.
 
     Asked for, the first skipped step of each optimizer (each ``kron(...)``,
     ``scale_by_pro(...)``, ... call) is also logged once per process at

@@ -11,15 +11,11 @@ of shapes and the config alone (static at trace time, never stored).
 from __future__ import annotations
 
 import math
-import string
 from typing import NamedTuple
-
-import jax
-import jax.numpy as jnp
 
 from precond._common.blocking import Region, axis_segments, grid_regions
 from precond._common.factor_plan import merge_small_dims
-from precond.jax._core.blocks import cut, join
+from precond.jax._core.blocks import along_each, cut, join
 from precond.jax.shampoo._config import Config, PreconditionerType
 
 
@@ -103,41 +99,6 @@ def padded_rows(rows: int, multiple: int) -> int:
     return -(-rows // multiple) * multiple
 
 
-# ------------------------------------------------------------------ block algebra
-
-
-def _letters(rank: int) -> str:
-    return string.ascii_lowercase[:rank]
-
-
-def block_grams(blocks: jax.Array, axes, precision) -> dict[int, jax.Array]:
-    """Per axis k in ``axes``: (count, n_k, n_k) = Σ over the other axes of
-    G_b·G_bᵀ."""
-    letters = _letters(blocks.ndim - 1)
-    grams = {}
-    for k in axes:
-        a = letters[k]
-        other = letters.replace(a, "A")
-        spec = f"z{letters},z{other}->z{a}A"
-        grams[k] = jnp.einsum(spec, blocks, blocks, precision=precision)
-    return grams
-
-
-def _precondition_blocks(
-    blocks: jax.Array, axes, roots: list[jax.Array], precision
-) -> jax.Array:
-    """G_b ×_0 P_0 ×_1 P_1 …: every preconditioned axis of the block contracted
-    with its P's rows (the other axes are left as they are)."""
-    letters = _letters(blocks.ndim - 1)
-    for k, root in zip(axes, roots, strict=True):
-        a = letters[k]
-        out = letters.replace(a, "A")
-        blocks = jnp.einsum(
-            f"z{letters},z{a}A->z{out}", blocks, root, precision=precision
-        )
-    return blocks
-
-
 def preconditioned(g, plan: ParameterPlan, slots, roots, precision):
     """P(G): every block's axes multiplied by its inverse roots, merged back."""
     x = g.astype(roots[0].dtype).reshape(plan.merged_shape)
@@ -150,7 +111,5 @@ def preconditioned(g, plan: ParameterPlan, slots, roots, precision):
             )
             if entry_group == g_index
         ]
-        blocks.append(
-            (group, _precondition_blocks(cut(x, group), plan.axes, factors, precision))
-        )
+        blocks.append((group, along_each(cut(x, group), plan.axes, factors, precision)))
     return join(blocks).reshape(g.shape)

@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from precond._common.validation import is_concrete_number
-from precond.jax._core.blocks import cut
+from precond.jax._core.blocks import block_grams, cut
 from precond.jax._core.guards import check_state_matches, gradients_are_usable
 from precond.jax._core.step_policy import (
     SkipWarning,
@@ -31,7 +31,6 @@ from precond.jax._core.step_policy import (
 from precond.jax.shampoo._config import Config, GraftingType
 from precond.jax.shampoo._layout import (
     Layout,
-    block_grams,
     padded_rows,
     plan_layout,
     preconditioned,

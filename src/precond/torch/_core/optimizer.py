@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -126,39 +126,42 @@ def saved_parameters(
     }
 
 
-def _with_momentum_alias(defaults: dict[str, Any]) -> dict[str, Any]:
-    """``defaults`` with ``momentum`` next to ``b1``, holding its value."""
+def _with_momentum_alias(defaults: dict[str, Any], b1: str = B1) -> dict[str, Any]:
+    """``defaults`` with ``momentum`` next to ``b1`` (the momentum's argument
+    name), holding its value."""
     out: dict[str, Any] = {}
     for key, value in defaults.items():
         out[key] = value
-        if key == B1:
+        if key == b1:
             out[MOMENTUM_ALIAS] = value
     return out
 
 
-def _momentum_conflict(group: dict[str, Any]) -> str | None:
-    """What is wrong when a group gives ``b1`` and ``momentum`` different values."""
-    if B1 in group and MOMENTUM_ALIAS in group:
-        b1, momentum = group[B1], group[MOMENTUM_ALIAS]
+def _momentum_conflict(group: dict[str, Any], name: str = B1) -> str | None:
+    """What is wrong when a group gives ``name`` (the momentum's argument name,
+    ``b1``) and ``momentum`` different values."""
+    if name in group and MOMENTUM_ALIAS in group:
+        b1, momentum = group[name], group[MOMENTUM_ALIAS]
         if bool(b1 != momentum):
             return (
-                f"b1={b1!r} and momentum={momentum!r} differ: momentum is another "
-                "name of b1 (the key torch's schedulers set), so give one of them, "
-                "or equal values"
+                f"{name}={b1!r} and momentum={momentum!r} differ: momentum is "
+                f"another name of {name} (the key torch's schedulers set), so give "
+                "one of them, or equal values"
             )
     return None
 
 
-def _fill_momentum_alias(group: dict[str, Any]) -> str:
-    """Gives a group that names one of ``b1`` and ``momentum`` the other too;
-    returns the name it gave (``b1`` if it gave both or neither)."""
-    if B1 in group:
-        group.setdefault(MOMENTUM_ALIAS, group[B1])
-        return B1
+def _fill_momentum_alias(group: dict[str, Any], name: str = B1) -> str:
+    """Gives a group that names one of ``name`` (the momentum's argument name,
+    ``b1``) and ``momentum`` the other too; returns the name it gave (``name``
+    if it gave both or neither)."""
+    if name in group:
+        group.setdefault(MOMENTUM_ALIAS, group[name])
+        return name
     if MOMENTUM_ALIAS in group:
-        group[B1] = group[MOMENTUM_ALIAS]
+        group[name] = group[MOMENTUM_ALIAS]
         return MOMENTUM_ALIAS
-    return B1
+    return name
 
 
 class CheckedOptimizer(torch.optim.Optimizer):
@@ -166,13 +169,18 @@ class CheckedOptimizer(torch.optim.Optimizer):
     attributes, whose new param groups are checked (``_check_param_group``)
     and refused whole, leaving the optimizer as it was, whose momentum ``b1`` is
     also each group's ``momentum`` (:meth:`_sync_momentum`), and which counts
-    the steps it skips (:attr:`skipped_steps`)."""
+    the steps it skips (:attr:`skipped_steps`). A subclass whose momentum has
+    another argument name (Shampoo's ``beta1``) sets ``_momentum_name`` and
+    ``_check_momentum`` (the rule ``momentum`` is checked by)."""
+
+    _momentum_name: str = B1
+    _check_momentum: Callable[[str, Any], None] = staticmethod(_check_b1)
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         # Per group (by id): (the group, its b1 at the last sync).
         self._synced_momenta: dict[int, tuple[dict, Any]] = {}
         self._warned_skip = False
-        super().__init__(params, _with_momentum_alias(defaults))
+        super().__init__(params, _with_momentum_alias(defaults, self._momentum_name))
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's state (defaults, state, groups) plus every public attribute
@@ -190,46 +198,47 @@ class CheckedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("_warned_skip", False)
+        b1 = self._momentum_name
         for group in (self.defaults, *self.param_groups):
-            _fill_momentum_alias(group)
-        self._synced_momenta = {id(g): (g, g.get(B1)) for g in self.param_groups}
+            _fill_momentum_alias(group, b1)
+        self._synced_momenta = {id(g): (g, g.get(b1)) for g in self.param_groups}
 
     def state_dict(self) -> dict[str, Any]:
         self._sync_momentum()
         return super().state_dict()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        given = B1
+        b1 = given = self._momentum_name
         if isinstance(param_group, dict):  # torch's refuses anything else
-            problem = _momentum_conflict(param_group)
+            problem = _momentum_conflict(param_group, b1)
             if problem:
                 raise ValueError(f"Invalid param group: {problem}")
-            given = _fill_momentum_alias(param_group)
+            given = _fill_momentum_alias(param_group, b1)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             if given == MOMENTUM_ALIAS:
-                _check_b1(MOMENTUM_ALIAS, group[MOMENTUM_ALIAS])
+                self._check_momentum(MOMENTUM_ALIAS, group[MOMENTUM_ALIAS])
             self._check_param_group(group)
         except Exception:
             self.param_groups.pop()
             raise
-        self._synced_momenta[id(group)] = (group, group[B1])
+        self._synced_momenta[id(group)] = (group, group[b1])
 
     def _sync_momentum(self) -> None:
         """Makes each group's ``b1`` and ``momentum`` equal, to the one that was
         changed since the last sync (``momentum``, the schedulers', if both
         were). Run before each step and each save."""
-        synced = self._synced_momenta
+        synced, name = self._synced_momenta, self._momentum_name
         for group in self.param_groups:
-            b1 = group[B1]
+            b1 = group[name]
             momentum = group.setdefault(MOMENTUM_ALIAS, b1)
             if not bool(b1 != momentum):
                 continue
             seen, value = synced.get(id(group), (None, None))
             b1_changed = seen is group and not bool(momentum != value)
-            group[B1] = group[MOMENTUM_ALIAS] = b1 if b1_changed else momentum
-        self._synced_momenta = {id(g): (g, g[B1]) for g in self.param_groups}
+            group[name] = group[MOMENTUM_ALIAS] = b1 if b1_changed else momentum
+        self._synced_momenta = {id(g): (g, g[name]) for g in self.param_groups}
 
     @property
     def skipped_steps(self) -> int:
@@ -244,11 +253,17 @@ class CheckedOptimizer(torch.optim.Optimizer):
         self,
         entries: list[tuple[dict, torch.Tensor, int]],
         grads: list[torch.Tensor] | None = None,
+        *,
+        decay: bool = True,
     ) -> bool:
         """:func:`skipped_for_unusable_gradients`, counting a skipped step in
         :attr:`skipped_steps`; the first skip is logged at WARNING on the
-        ``precond.torch`` logger (once per optimizer object)."""
-        if not skipped_for_unusable_gradients(entries, grads):
+        ``precond.torch`` logger (once per optimizer object). With ``decay``
+        False (Shampoo, whose JAX twin returns zero updates) the parameters
+        do not move either, not even by weight decay."""
+        if grads is None:
+            grads = cast("list[torch.Tensor]", [p.grad for _, p, _ in entries])
+        if not skipped_for_unusable_gradients(entries if decay else [], grads):
             return False
         first = self.param_groups[0]
         first[SKIPPED_STEPS] = first.get(SKIPPED_STEPS, 0) + 1
@@ -257,9 +272,10 @@ class CheckedOptimizer(torch.optim.Optimizer):
             LOGGER.warning(
                 "%s skipped a step: a gradient is NaN, ±Inf or so large that its "
                 "squared norm overflows, so no state changed and the parameters "
-                "moved by weight decay alone. optimizer.skipped_steps counts such "
-                "steps; this warning is not repeated.",
+                "%s. optimizer.skipped_steps counts such steps; this warning is "
+                "not repeated.",
                 type(self).__name__,
+                "moved by weight decay alone" if decay else "did not move",
             )
         return True
 
@@ -273,7 +289,7 @@ class CheckedOptimizer(torch.optim.Optimizer):
         ``momentum`` differ (an edited state dict: saves make them equal) is
         refused, as it is unclear which is meant."""
         for g, group in enumerate(state_dict["param_groups"]):
-            problem = _momentum_conflict(group)
+            problem = _momentum_conflict(group, self._momentum_name)
             if problem:
                 raise ValueError(f"Invalid state_dict: in param group {g}, {problem}")
         params = saved_parameters(self.param_groups, state_dict)

@@ -115,7 +115,7 @@ from precond.torch.kron._kron_step import (
     stacked,
     update_due,
 )
-from precond.torch.kron.strategies import Replicated, Strategy
+from precond.torch.kron.strategies import Replicated, Strategy, owners_of
 
 __all__ = ["Kron"]
 
@@ -293,24 +293,10 @@ class Kron(KronCheckpointing):
         return loss
 
     def _owners(self, entries) -> list[int]:
-        """The rank that computes each entry's update. The strategy shares out
-        all the optimizer's parameters, group by group and the costliest first
-        within each, not only this step's with gradients: a parameter whose
-        gradient is missing on some steps (a branch a batch did not reach), or
-        a group added later (``add_param_group``), moves no other parameter,
-        or its state, to another rank."""
-        params = [
-            (g, group, p)
-            for g, group in enumerate(self.param_groups)
-            for p in group["params"]
-        ]
-        costs = [cost(p.shape, group) for _, group, p in params]
-        order = sorted(range(len(params)), key=lambda i: (params[i][0], -costs[i], i))
-        assigned = self.strategy.assign(
-            [params[i][2] for i in order], [costs[i] for i in order]
+        """The rank that computes each entry's update (:func:`owners_of`)."""
+        return owners_of(
+            self.strategy, self.param_groups, entries, lambda p, g: cost(p.shape, g)
         )
-        owners = dict(zip(order, assigned, strict=True))
-        return [owners[index] for _, _, index in entries]
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]

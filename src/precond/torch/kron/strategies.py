@@ -15,12 +15,17 @@ preconditions it, and every rank applies its own shard's slice of the update.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Replicated", "ShardedPreconditioning", "Strategy"]
+
+# (group, parameter, index among all the optimizer's parameters), as
+# ``precond.torch._core.optimizer.gradient_entries`` lists them.
+Entry = tuple[dict, torch.Tensor, int]
 
 
 class Strategy:
@@ -138,6 +143,37 @@ class ShardedPreconditioning(Strategy):
             shared.append(chunk.reshape(p.shape))
             offsets[owner] += n
         return shared
+
+
+def check_strategy(name: str, value: Any) -> None:
+    """None or a :class:`Strategy` (an optimizer's ``strategy`` argument)."""
+    if value is not None and not isinstance(value, Strategy):
+        raise TypeError(
+            f"Invalid {name}={value!r}: must be None or a precond.torch.Strategy "
+            "(Replicated() or ShardedPreconditioning())"
+        )
+
+
+def owners_of(
+    strategy: Strategy,
+    param_groups: Sequence[dict],
+    entries: Sequence[Entry],
+    cost: Callable[[torch.Tensor, dict], float],
+) -> list[int]:
+    """The rank that computes each of ``entries``' updates (Shampoo's and
+    SOAP's rule, Kron's too). The strategy shares out all the optimizer's
+    parameters, group by group and the costliest (``cost(p, group)``) first
+    within each, not only this step's with gradients: a parameter whose
+    gradient is missing on some steps, or a group added later, moves no other
+    parameter, or its state, to another rank."""
+    params = [
+        (g, group, p) for g, group in enumerate(param_groups) for p in group["params"]
+    ]
+    costs = [cost(p, group) for _, group, p in params]
+    order = sorted(range(len(params)), key=lambda i: (params[i][0], -costs[i], i))
+    assigned = strategy.assign([params[i][2] for i in order], [costs[i] for i in order])
+    owners = dict(zip(order, assigned, strict=True))
+    return [owners[index] for _, _, index in entries]
 
 
 def _real_dtype(p: torch.Tensor) -> torch.dtype:
