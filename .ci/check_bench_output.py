@@ -41,7 +41,7 @@ from pathlib import Path
 
 # The JAX workloads and the optimizers a bare `precond bench` runs in JAX.
 WORKLOADS = ("teacher-student", "char-lm")
-OPTIMIZERS = ("kron", "pro-adamw", "shampoo", "adamw", "muon")
+OPTIMIZERS = ("kron", "pro-adamw", "shampoo", "soap", "adamw", "muon")
 FRAMEWORKS = ("jax",)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

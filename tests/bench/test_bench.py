@@ -1282,7 +1282,7 @@ def test_help_documents_every_flag(capsys):
         (["--lr", "muon.adam_learning_rate=1", "--optimizers", "kron"], "not among"),
         (["--weight-decay", "-1"], "--weight-decay"),
         (["--schedule", "linear"], "invalid choice: 'linear'"),
-        (["--optimizers", "shampoo", "--frameworks", "torch"], "exists in jax only"),
+        (["--optimizers", "xmat", "--frameworks", "torch"], "exists in jax only"),
         (["--devices", "2", "--frameworks", "torch"], "applies to jax"),
         (["--devices", "3", "--frameworks", "jax"], "not divisible by --devices 3"),
         (["--devices", "16", "--batch-size", "16"], "jax sees 8 device(s)"),

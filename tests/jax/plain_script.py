@@ -44,6 +44,11 @@ def optimizer(name: str, sharding: dict):
         "affine": lambda: pj.affine(rate),
         "shampoo": lambda: pj.distributed_shampoo(rate, block_size=64),
         "shampoo-eigh": lambda: pj.distributed_shampoo(rate, block_size=64, eigh=True),
+        "soap": lambda: pj.soap(
+            rate,
+            precondition_frequency=2,
+            params_partition_specs=sharding.get("params_partition_specs"),
+        ),
     }[name]()
 
 

@@ -31,7 +31,7 @@ TIMEOUT = 300
 GROUPS = {
     "kron-pro": ["kron", "pro"],
     "xmat-lra-affine": ["xmat", "lra", "affine"],
-    "shampoo": ["shampoo", "shampoo-eigh"],
+    "shampoo-soap": ["shampoo", "shampoo-eigh", "soap"],
 }
 
 
@@ -76,5 +76,8 @@ def test_plain_scripts_never_hang(group, tmp_path):
 
 
 def test_sharded_plain_scripts_never_hang(tmp_path):
-    """Width 128: the default width's factors did not hang there before."""
+    """Width 128: the default width's factors did not hang there before. SOAP
+    is not in this run: sharded, its first run compiles for over 3 minutes on
+    the 2-core machine (its refreshes are shard_maps of per-device loops); it is
+    sharded in tests/jax/soap, in the suite's environment."""
     _run_repeatedly(["kron", "pro"], tmp_path, ("--devices", "8", "--d-model", "128"))

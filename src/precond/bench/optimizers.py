@@ -290,6 +290,14 @@ def _make_bench_shampoo(learning_rate, weight_decay: float):
     return make_shampoo(learning_rate, weight_decay, **BENCH_SHAMPOO_OPTIONS)
 
 
+def _make_soap(learning_rate, weight_decay: float):
+    """``precond.jax.soap`` with the paper's defaults (betas 0.95, bases
+    refreshed every 10 steps by a QR power step) and the bench's decay."""
+    from precond.jax import soap
+
+    return soap(learning_rate, weight_decay=weight_decay)
+
+
 def _make_adamw(learning_rate, weight_decay: float):
     import optax
 
@@ -411,6 +419,32 @@ def _make_torch_pro_adamw(model, lr: float, weight_decay: float) -> TorchOptimiz
         for pro in (True, False)
     ]
     return TorchOptimizer(ProAdamW(groups, lr=lr, weight_decay=weight_decay))
+
+
+def _make_torch_shampoo(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    """``precond.torch.Shampoo`` with the bench's Shampoo options (those of
+    :func:`make_shampoo` and :data:`BENCH_SHAMPOO_OPTIONS`), its weight decay
+    decoupled (−lr·λθ, as AdamW's)."""
+    from precond.torch import GraftingType, Shampoo
+
+    return TorchOptimizer(
+        Shampoo(
+            model.parameters(),
+            lr=lr,
+            block_size=128,
+            graft_type=GraftingType.RMSPROP_NORMALIZED,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=True,
+            **BENCH_SHAMPOO_OPTIONS,
+        )
+    )
+
+
+def _make_torch_soap(model, lr: float, weight_decay: float) -> TorchOptimizer:
+    """``precond.torch.SOAP`` with the paper's defaults and the bench's decay."""
+    from precond.torch import SOAP
+
+    return TorchOptimizer(SOAP(model.parameters(), lr=lr, weight_decay=weight_decay))
 
 
 def _make_torch_adamw(model, lr: float, weight_decay: float) -> TorchOptimizer:
@@ -541,11 +575,21 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         ),
         OptimizerSpec(
             name="shampoo",
-            description="Distributed Shampoo (precond.jax.distributed_shampoo), "
-            "block 128, RMSProp-normalized grafting, β2 0.95, eigh roots every "
-            "10 steps, decoupled weight decay",
+            description="Distributed Shampoo (precond.jax.distributed_shampoo / "
+            "precond.torch.Shampoo), block 128, RMSProp-normalized grafting, β2 "
+            "0.95, eigh roots every 10 steps, decoupled weight decay",
             make=_make_bench_shampoo,
+            make_torch=_make_torch_shampoo,
             learning_rates=LEARNING_RATES["shampoo"],
+        ),
+        OptimizerSpec(
+            name="soap",
+            description="SOAP (precond.jax.soap / precond.torch.SOAP): Adam in the "
+            "eigenbasis of Shampoo's factors, the paper's defaults (betas 0.95, "
+            "bases refreshed every 10 steps)",
+            make=_make_soap,
+            make_torch=_make_torch_soap,
+            learning_rates=LEARNING_RATES["soap"],
         ),
         OptimizerSpec(
             name="kfac",
