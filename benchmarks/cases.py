@@ -198,6 +198,13 @@ def google_shampoo():
     return next(tests.patched_optax_shampoo())
 
 
+def heavyball():
+    """HeavyBall 3.2.1 as it ships (its steps compiled by ``torch.compile``)."""
+    import heavyball
+
+    return heavyball
+
+
 def available(original: str) -> str | None:
     """None when ``original`` imports here, else why not."""
     finders = {
@@ -206,6 +213,7 @@ def available(original: str) -> str | None:
         "kron-torch": lambda: _oracles().kron_torch(),
         "Google's Shampoo": google_shampoo,
         "distributed-kron 2.0.0 pro": lambda: _oracles().distributed_kron_pro(),
+        "HeavyBall SOAP": heavyball,
     }
     try:
         finders[original]()
@@ -340,6 +348,7 @@ def _jax_subjects(model: str) -> list[tuple[str, str, int, Callable[[], Any]]]:
                 ),
             )
         )
+    subjects.append(("soap", "the paper's defaults", 50, lambda: pj.soap(**base)))
     return subjects
 
 
@@ -392,6 +401,21 @@ def torch_pairs(models=MODELS) -> list[Case]:
                     ),
                 )
             )
+        cases.append(
+            Case(
+                "torch-pairs",
+                model,
+                "SOAP",
+                "HeavyBall SOAP",
+                "the paper's defaults",
+                50,
+                torch_steppers(
+                    model,
+                    lambda m: pt.SOAP(m.parameters(), **SOAP_TORCH),
+                    lambda m: heavyball().SOAP(m.parameters(), **SOAP_TORCH),
+                ),
+            )
+        )
     return cases
 
 
@@ -442,6 +466,23 @@ def _torch_subjects(model: str) -> list[tuple[str, str, int, Callable, bool]]:
                 )
             )
     subjects.append(("ProAdamW", "defaults", 50, pro_adamw, False))
+    subjects.append(
+        (
+            "Shampoo",
+            f"block {SHAMPOO_BLOCK}, roots every 10",
+            50,
+            lambda m: pt.Shampoo(
+                m.parameters(),
+                **base,
+                block_size=SHAMPOO_BLOCK,
+                preconditioning_compute_steps=10,
+            ),
+            False,
+        )
+    )
+    subjects.append(
+        ("SOAP", "the paper's defaults", 50, lambda m: pt.SOAP(m.parameters()), False)
+    )
     subjects.append(("KFAC + SGD", "train step, inverses every 10", 20, kfac_sgd, True))
     return subjects
 
@@ -468,6 +509,15 @@ def torch_versus_adamw(models=MODELS) -> list[Case]:
 
 
 ADAMW_TORCH = dict(lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+# SOAP against HeavyBall's: the paper's betas, frequency and dims on both sides
+# (HeavyBall's own defaults differ), no weight decay (the two decay differently).
+SOAP_TORCH = dict(
+    lr=LEARNING_RATE,
+    betas=(0.95, 0.95),
+    weight_decay=0.0,
+    precondition_frequency=10,
+    max_precond_dim=10000,
+)
 
 CASES: dict[str, Callable[..., list[Case]]] = {
     "jax-pairs": jax_pairs,
