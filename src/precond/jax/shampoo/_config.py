@@ -7,7 +7,6 @@ error phrasing and returns the :class:`Config` the transform reads.
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import Any, NamedTuple
 
@@ -15,29 +14,9 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from precond._common.shampoo_types import GraftingType, PreconditionerType
 from precond._common.validation import check_bool, check_choice, check_int, check_real
 from precond.jax._core.argument_trees import check_mesh, check_partition_specs_tree
-
-
-class GraftingType(enum.IntEnum):
-    """The first-order method whose step size per parameter Shampoo borrows."""
-
-    SGD = 1
-    ADAGRAD = 2
-    RMSPROP = 3
-    RMSPROP_NORMALIZED = 4
-    SQRT_N = 5  # sign(G): every entry moves by 1 (norm √n)
-    ADAGRAD_NORMALIZED = 6
-
-
-class PreconditionerType(enum.IntEnum):
-    """Which axes of each (merged) block get a preconditioner (Google's newer
-    ``precondtioner_type`` argument); rank-1 blocks always get one."""
-
-    ALL = 1  # every axis
-    INPUT = 2  # every axis but the last (the last is taken as the output axis)
-    OUTPUT = 3  # the last axis only
-
 
 # Arguments that fix shapes or code paths: static under optax.inject_hyperparams.
 SHAMPOO_STATIC_ARGS = (

@@ -14,6 +14,7 @@ import torch
 
 from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
 from precond._common.validation import check_real
+from precond.torch._core.dtensor import check_dtensor_parameter
 from precond.torch._core.step_policy import skipped_for_unusable_gradients
 from precond.torch._core.tensors import copy_to_device
 
@@ -82,6 +83,45 @@ def gradient_entries(
                 entries.append((group, p, index))
             index += 1
     return entries
+
+
+def tensor_checks(
+    optimizer: str, complex_allowed: bool
+) -> tuple[Callable[[torch.Tensor], None], Callable[[torch.Tensor], None]]:
+    """The checks of an optimizer's parameters (at construction) and of their
+    gradients (each step): floating parameters (and complex ones where
+    ``complex_allowed``), DTensors only where torch can gather them, dense
+    gradients of the parameter's kind. Errors name ``optimizer`` (``"Kron"``).
+    """
+
+    def check_parameter(p: torch.Tensor) -> None:
+        check_dtensor_parameter(p, f"precond.torch.{optimizer}")
+        if p.is_floating_point() or (complex_allowed and p.is_complex()):
+            return
+        kinds = "floating and complex" if complex_allowed else "real floating-point"
+        raise TypeError(
+            f"Invalid parameter of dtype {p.dtype}: {optimizer} supports {kinds} "
+            "parameters"
+        )
+
+    def check_gradient(p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is None:  # gradient_entries checks only parameters with a gradient
+            return
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"{optimizer} does not support sparse gradients "
+                "(e.g. nn.Embedding(sparse=True))"
+            )
+        if grad.is_complex() != p.is_complex() or not (
+            grad.is_floating_point() or grad.is_complex()
+        ):
+            raise RuntimeError(
+                f"{optimizer} got a gradient of dtype {grad.dtype} for a parameter "
+                f"of dtype {p.dtype}"
+            )
+
+    return check_parameter, check_gradient
 
 
 def check_lr(name: str, value: Any) -> None:

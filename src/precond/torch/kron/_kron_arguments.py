@@ -13,8 +13,7 @@ import torch
 from precond._common.factor_plan import MEMORY_SAVE_MODES
 from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
 from precond._common.validation import check_bool, check_choice, check_real
-from precond.torch._core.dtensor import check_dtensor_parameter
-from precond.torch._core.optimizer import check_lr
+from precond.torch._core.optimizer import check_lr, tensor_checks
 from precond.torch.kron.strategies import Strategy
 
 # memory_save_mode values: precond's plan's, plus kron-torch 0.3.3's 'smart_one_diag'
@@ -109,25 +108,4 @@ GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
 )
 
 
-def check_parameter(p: torch.Tensor) -> None:
-    check_dtensor_parameter(p, "precond.torch.Kron")
-    if not (p.is_floating_point() or p.is_complex()):
-        raise TypeError(
-            f"Invalid parameter of dtype {p.dtype}: Kron supports floating and "
-            "complex parameters"
-        )
-
-
-def check_gradient(p: torch.Tensor) -> None:
-    grad = p.grad
-    if grad is None:  # gradient_entries checks only parameters with a gradient
-        return
-    if grad.is_sparse:
-        raise RuntimeError(
-            "Kron does not support sparse gradients (e.g. nn.Embedding(sparse=True))"
-        )
-    if grad.is_complex() != p.is_complex():
-        raise RuntimeError(
-            f"Kron got a gradient of dtype {grad.dtype} for a parameter of dtype "
-            f"{p.dtype}"
-        )
+check_parameter, check_gradient = tensor_checks("Kron", complex_allowed=True)

@@ -11,11 +11,9 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from precond._common.shampoo_types import GraftingType, PreconditionerType
 from precond._common.validation import check_bool, check_int, check_real
-from precond.torch._core.dtensor import check_dtensor_parameter
-from precond.torch._core.optimizer import check_lr
+from precond.torch._core.optimizer import check_lr, tensor_checks
 from precond.torch.kron.strategies import check_strategy
 
 __all__ = [
@@ -30,30 +28,8 @@ __all__ = [
 ]
 
 
-class GraftingType(enum.IntEnum):
-    """The first-order method whose step size per parameter Shampoo borrows
-    (the values of ``precond.jax.GraftingType``, which is accepted too)."""
-
-    SGD = 1
-    ADAGRAD = 2
-    RMSPROP = 3
-    RMSPROP_NORMALIZED = 4
-    SQRT_N = 5  # sign(G): every entry moves by 1 (norm √n)
-    ADAGRAD_NORMALIZED = 6
-
-
-class PreconditionerType(enum.IntEnum):
-    """Which axes of each (merged) block get a preconditioner (Google's
-    ``precondtioner_type``; the values of ``precond.jax.PreconditionerType``)."""
-
-    ALL = 1  # every axis
-    INPUT = 2  # every axis but the last
-    OUTPUT = 3  # the last axis only
-
-
 def _check_enum(kind: type[enum.IntEnum]) -> Callable[[str, Any], None]:
-    """A member of ``kind`` or its int value (another IntEnum with the same
-    values, e.g. precond.jax's, is taken by value)."""
+    """A member of ``kind`` or its int value."""
 
     def check(name: str, value: Any) -> None:
         values = [int(m) for m in kind]
@@ -115,25 +91,4 @@ GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
 ENUM_ARGUMENTS = ("graft_type", "precondtioner_type")
 
 
-def check_parameter(p: torch.Tensor) -> None:
-    check_dtensor_parameter(p, "precond.torch.Shampoo")
-    if not p.is_floating_point():
-        raise TypeError(
-            f"Invalid parameter of dtype {p.dtype}: Shampoo supports real "
-            "floating-point parameters"
-        )
-
-
-def check_gradient(p: torch.Tensor) -> None:
-    grad = p.grad
-    if grad is None:
-        return
-    if grad.is_sparse:
-        raise RuntimeError(
-            "Shampoo does not support sparse gradients (e.g. nn.Embedding(sparse=True))"
-        )
-    if not grad.is_floating_point():
-        raise RuntimeError(
-            f"Shampoo got a gradient of dtype {grad.dtype} for a parameter of "
-            f"dtype {p.dtype}"
-        )
+check_parameter, check_gradient = tensor_checks("Shampoo", complex_allowed=False)

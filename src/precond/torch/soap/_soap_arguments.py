@@ -7,16 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from precond._common.validation import (
     check_bool,
     check_choice,
     check_int,
     check_real,
 )
-from precond.torch._core.dtensor import check_dtensor_parameter
-from precond.torch._core.optimizer import check_lr
+from precond.torch._core.optimizer import check_lr, tensor_checks
 
 # The ways a basis is refreshed: one QR power step, or a full eigendecomposition.
 REFRESHES = ("qr", "eigh")
@@ -61,25 +58,4 @@ GROUP_ARGUMENTS: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
 )
 
 
-def check_parameter(p: torch.Tensor) -> None:
-    check_dtensor_parameter(p, "precond.torch.SOAP")
-    if not p.is_floating_point():
-        raise TypeError(
-            f"Invalid parameter of dtype {p.dtype}: SOAP supports real floating "
-            "parameters"
-        )
-
-
-def check_gradient(p: torch.Tensor) -> None:
-    grad = p.grad
-    if grad is None:  # gradient_entries checks only parameters with a gradient
-        return
-    if grad.is_sparse:
-        raise RuntimeError(
-            "SOAP does not support sparse gradients (e.g. nn.Embedding(sparse=True))"
-        )
-    if not grad.is_floating_point():
-        raise RuntimeError(
-            f"SOAP got a gradient of dtype {grad.dtype} for a parameter of dtype "
-            f"{p.dtype}"
-        )
+check_parameter, check_gradient = tensor_checks("SOAP", complex_allowed=False)
