@@ -73,8 +73,11 @@ def _adam_blocks(config: Config, g, mu, nu, qs, count):
     gradient G' = G ×_k Q_kᵀ, Adam's direction M/(√V + ε) projected back
     (normalised per block, with ``normalize_grads``), with the bias correction."""
     projected = along(g, qs)
-    mu = moving_average(mu, projected, config.b1)
-    nu = moving_average(nu, projected * projected, config.b2)
+    # β in the moments' dtype first: a float and the same value injected as an
+    # array (optax.inject_hyperparams) then give the same 1 − β, and the same steps.
+    b1, b2 = jnp.asarray(config.b1, mu.dtype), jnp.asarray(config.b2, nu.dtype)
+    mu = moving_average(mu, projected, b1)
+    nu = moving_average(nu, projected * projected, b2)
     direction = along(mu / (jnp.sqrt(nu) + config.eps), qs, transpose=True)
     if config.normalize_grads:
         axes = tuple(range(1, direction.ndim))
@@ -132,7 +135,8 @@ def _new_statistics(step: _Step, grams_per_leaf, statistics, beta, usable):
     for stack, old in zip(pieces, statistics, strict=True):
         gram = jnp.concatenate(stack).astype(old.dtype)
         gram = jnp.pad(gram, ((0, old.shape[0] - gram.shape[0]), (0, 0), (0, 0)))
-        new = jnp.where(usable, beta * old + (1 - beta) * gram, old).astype(old.dtype)
+        b = jnp.asarray(beta, old.dtype)  # as the moments' β (_adam_blocks)
+        new = jnp.where(usable, b * old + (1 - b) * gram, old).astype(old.dtype)
         out.append(step.sharding.constrain(new, step.sharding.stack_spec))
     return tuple(out)
 
