@@ -193,6 +193,11 @@ def psgd(alias, **kwargs) -> Callable:
     return functools.partial(alias, learning_rate=0.01, seed=3, **kwargs)
 
 
+def soap(**kwargs) -> Callable:
+    """Builds ``pj.soap`` with learning rate 0.01 and ``kwargs``."""
+    return functools.partial(pj.soap, **({"learning_rate": 0.01} | kwargs))
+
+
 def shampoo(**kwargs) -> Callable:
     """Builds ``pj.distributed_shampoo`` (learning rate 0.01, blocks of 8)."""
     options = dict(learning_rate=0.01, block_size=8, start_preconditioning_step=2)
@@ -313,6 +318,16 @@ JAX_CASES = [
         "shampoo_memory_mode",
         shampoo(best_effort_memory_usage_reduction=True, exponent_override=2),
     ),
+    # SOAP: both sides, one side (12 > max_precond_dim), eigh refreshes with
+    # merged dimensions and 1-D statistics.
+    jax_case("soap", soap()),
+    jax_case("soap_one_sided", soap(max_precond_dim=11, shampoo_beta=0.9)),
+    jax_case(
+        "soap_eigh_merged",
+        soap(refresh="eigh", merge_dims=True, precondition_1d=True, correct_bias=False),
+    ),
+    # pro on the matrices and AdamW on the vector, in one call.
+    jax_case("pro_adamw", functools.partial(pj.pro_adamw, learning_rate=0.01)),
 ]
 
 
@@ -403,6 +418,13 @@ def torch_pro(**kwargs) -> Callable:
     return lambda params: pt.Pro(params, lr=0.01, **kwargs)
 
 
+def torch_shampoo(**kwargs) -> Callable:
+    """Builds ``pt.Shampoo`` as :func:`shampoo` builds JAX's (learning rate 0.01,
+    blocks of 8, roots from step 2) with ``kwargs``."""
+    options = dict(lr=0.01, block_size=8, start_preconditioning_step=2)
+    return lambda params: pt.Shampoo(params, **(options | kwargs))
+
+
 TORCH_CASES = [
     torch_case("torch_kron_eq", torch_kron()),
     torch_case("torch_kron_quad", torch_kron(preconditioner_update_style="QUAD")),
@@ -424,6 +446,14 @@ TORCH_CASES = [
     torch_case("torch_pro_prob_03", torch_pro(preconditioner_update_probability=0.3)),
     torch_case("torch_pro_blocks", torch_pro(block_size=4, max_size_dense=8)),
     torch_case("torch_pro_qeq", torch_pro(preconditioner_update_style="QEQ")),
+    torch_case("torch_pro_adamw", lambda params: pt.ProAdamW(params, lr=0.01)),
+    torch_case("torch_soap", lambda params: pt.SOAP(params, lr=0.01)),
+    torch_case(
+        "torch_soap_one_sided",
+        lambda params: pt.SOAP(params, lr=0.01, max_precond_dim=11, refresh="eigh"),
+    ),
+    torch_case("torch_shampoo", torch_shampoo()),
+    torch_case("torch_shampoo_adagrad", torch_shampoo(graft_type=pt.GraftingType.ADAGRAD)),
     kfac_case("torch_kfac_eigen"),
     kfac_case(
         "torch_kfac_inverse",
