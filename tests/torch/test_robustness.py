@@ -56,25 +56,43 @@ class Built:
     state: Callable[[], list[torch.Tensor]]
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors of a state entry: a tensor, or lists of them, nested."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)]
+
+
+def _scheduled(optimizer: torch.optim.Optimizer, state_keys: tuple[str, ...]) -> Built:
+    """``optimizer`` under the rate schedule of every row, lr·0.92ⁿ; its state
+    is the tensors under ``state_keys`` of each parameter's state (a key a
+    parameter lacks is passed over; none found at all fails)."""
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
+
+    def step():
+        optimizer.step()
+        schedule.step()
+
+    def state():
+        tensors = [
+            t
+            for entry in optimizer.state.values()
+            for key in state_keys
+            for t in _tensors(entry.get(key, []))
+        ]
+        assert tensors or not optimizer.state, f"no state under {state_keys}"
+        return tensors
+
+    return Built(step, state)
+
+
 def _kron(**kwargs):
     def build(model: nn.Module) -> Built:
         # Tuned to reach the least-squares floor within ~40 steps (a run that is
         # still descending at step 50 would differ by more than 1% for one step
         # less): b1 = 0.5, lr 0.3·0.92^n.
         optimizer = Kron(model.parameters(), lr=0.3, b1=0.5, **kwargs)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
-
-        def step():
-            optimizer.step()
-            schedule.step()
-
-        def state():
-            tensors = []
-            for entry in optimizer.state.values():
-                tensors += [entry["momentum"], *entry["Q"]]
-            return tensors
-
-        return Built(step, state)
+        return _scheduled(optimizer, ("momentum", "Q"))
 
     return build
 
@@ -92,22 +110,8 @@ def _pro_adamw(model: nn.Module) -> Built:
         pro_lr_multiplier=4.0,
         weight_decay=0.0,
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
-
-    def step():
-        optimizer.step()
-        schedule.step()
-
-    def state():
-        tensors = []
-        for entry in optimizer.state.values():
-            for key in ("momentum", "exp_avg", "exp_avg_sq"):
-                tensors += [entry[key]] if key in entry else []
-            for sides in entry.get("factors", []) + entry.get("lipschitz", []):
-                tensors += sides
-        return tensors
-
-    return Built(step, state)
+    keys = ("momentum", "exp_avg", "exp_avg_sq", "factors", "lipschitz")
+    return _scheduled(optimizer, keys)
 
 
 def _soap(model: nn.Module) -> Built:
@@ -122,20 +126,7 @@ def _soap(model: nn.Module) -> Built:
         weight_decay=0.0,
         precondition_frequency=5,
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
-
-    def step():
-        optimizer.step()
-        schedule.step()
-
-    def state():
-        tensors = []
-        for entry in optimizer.state.values():
-            for key in ("exp_avg", "exp_avg_sq", "statistics", "bases"):
-                tensors += entry[key]
-        return tensors
-
-    return Built(step, state)
+    return _scheduled(optimizer, ("exp_avg", "exp_avg_sq", "statistics", "bases"))
 
 
 def _kfac(strategy: DistributedStrategy):
@@ -174,21 +165,8 @@ def _shampoo(model: nn.Module) -> Built:
         block_size=4,
         graft_type=GraftingType.ADAGRAD,
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.92**n)
-
-    def step():
-        optimizer.step()
-        schedule.step()
-
-    def state():
-        tensors = []
-        for entry in optimizer.state.values():
-            for key in ("momentum", "diagonal_momentum", "diagonal_statistics"):
-                tensors += [entry[key]] if key in entry else []
-            tensors += entry["statistics"] + entry["preconditioners"]
-        return tensors
-
-    return Built(step, state)
+    keys = ("momentum", "diagonal_momentum", "diagonal_statistics")
+    return _scheduled(optimizer, (*keys, "statistics", "preconditioners"))
 
 
 OPTIMIZERS = {

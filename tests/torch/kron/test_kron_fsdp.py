@@ -14,11 +14,11 @@ The model has a 63-wide layer (dim 0 does not divide 2 or 4: shards of 16, 16,
 16, 15), a 5-row layer (4 ranks: 2, 2, 1, 0 rows, one rank holds an empty
 shard) and a one-element scale (fully_shard refuses 0-dim parameters: with 4
 ranks three hold nothing), and a parameter that never gets a gradient. A NaN
-in rank 0's rows at step NAN_STEP makes every rank skip that step, as the single
-process does; a run resumed from a step-RESUME_AT ``state_dict``, and one resumed
-from a ``torch.distributed.checkpoint`` checkpoint of ``get_model_state_dict`` and
-``get_optimizer_state_dict`` (parameter names for keys), must end bitwise where
-the uninterrupted one does.
+in rank 0's rows at step ``PROBLEM.nan_step`` makes every rank skip that step,
+as the single process does; a run resumed from a step-RESUME_AT
+``state_dict``, and one resumed from a ``torch.distributed.checkpoint``
+checkpoint of ``get_model_state_dict`` and ``get_optimizer_state_dict``
+(parameter names for keys), must end bitwise where the uninterrupted one does.
 Such a checkpoint saved on 4 ranks must also resume on 2 and end where one
 process does.
 
@@ -38,28 +38,25 @@ import torch
 
 from precond.torch import Kron, Pro, ShardedPreconditioning
 from precond.torch._core.dtensor import is_dtensor
+from tests.torch.small_net import (
+    Problem,
+    fully_sharded,
+    load_checkpoint,
+    local_values,
+    rows_of,
+    save_checkpoint,
+)
 from tests.torch.spawned import check_spawned_cases
 
 pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):
     pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-
 STEPS = 10
 RESUME_AT = 5  # the resumed run reloads the state_dict saved after this step
-NAN_STEP = 3  # a NaN input: the step is skipped (only the weight decay applies)
-GLOBAL_BATCH = 16
-IN_FEATURES, HIDDEN, OUT_FEATURES = 10, 63, 5
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# A 63-wide hidden layer, 5 outputs; a NaN at step 3 (the step is skipped, only
+# the weight decay applies).
+PROBLEM = Problem(hidden=63, out_features=5, nan_step=3)
 # Relative to the parameter's largest entry. float64: the only difference is the
 # gradient reduction order (~1e-16), kept small by 10 Kron steps. float32: the
 # same ~1e-7 relative gradient difference through the factor fits and clipping.
@@ -76,26 +73,6 @@ CASES = {
     "pro-float32": ("float32", False, None),
 }
 WORLD_SIZES = (2, 4)
-
-
-class Net(torch.nn.Module):
-    """Linear(10 → 63) → tanh → Linear(63 → 5), times a one-element scale, plus a
-    parameter that the forward pass never uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = torch.nn.Linear(IN_FEATURES, HIDDEN)
-        self.out = torch.nn.Linear(HIDDEN, OUT_FEATURES)
-        self.scale = torch.nn.Parameter(torch.tensor([1.5]))
-        self.unused = torch.nn.Parameter(torch.randn(7, 3))
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.hidden(x))) * self.scale
-
-
-def build(dtype_name):
-    torch.manual_seed(0)
-    return Net().to(DTYPES[dtype_name])
 
 
 def optimizer_for(params, case_name, distributed=True):
@@ -117,81 +94,11 @@ def optimizer_for(params, case_name, distributed=True):
     )
 
 
-def batch(step, dtype_name):
-    generator = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(GLOBAL_BATCH, IN_FEATURES, generator=generator)
-    y = torch.randn(GLOBAL_BATCH, OUT_FEATURES, generator=generator)
-    if step == NAN_STEP:  # rank 0's rows: every rank must skip the step
-        x[0, 0] = float("nan")
-    return x.to(DTYPES[dtype_name]), y.to(DTYPES[dtype_name])
-
-
-def train(model, optimizer, dtype_name, rows, steps):
-    for step in steps:
-        x, y = batch(step, dtype_name)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        optimizer.step()
-
-
-def local_values(model):
-    """Each parameter's local shard (a copy)."""
-    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-
-
 def sharded_model(case_name, world_size):
-    """The case's model, each layer and then the whole ``fully_shard``-ed on a
-    ``world_size`` CPU mesh (every parameter a DTensor)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = build(CASES[case_name][0])
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in (model.hidden, model.out):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    """The case's model, ``fully_shard``-ed on a ``world_size`` CPU mesh."""
+    model = fully_sharded(PROBLEM.build(CASES[case_name][0]), world_size)
     assert all(is_dtensor(p) for p in model.parameters())
     return model
-
-
-def rows_of(rank, world_size):
-    shard = GLOBAL_BATCH // world_size
-    return slice(rank * shard, (rank + 1) * shard)
-
-
-def save_checkpoint(model, optimizer, checkpoint):
-    """Model and optimizer through torch.distributed.checkpoint: state dicts
-    keyed by parameter names, each rank writing its shards and its state."""
-    dcp.save(
-        {
-            "model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer),
-        },
-        checkpoint_id=checkpoint,
-    )
-
-
-def load_checkpoint(model, optimizer, checkpoint, case_name):
-    """The model and a fresh optimizer from ``save_checkpoint``'s checkpoint,
-    on any number of ranks. The optimizer's state, which DCP makes with a step
-    at lr 0 where no parameter has a gradient (as in a new process), is the
-    template that dcp.load fills; that step gives the parameter without a
-    gradient a state the checkpoint lacks (as any torch optimizer's), which a
-    partial load keeps. Under ShardedPreconditioning each rank holds (and
-    loads) its own parameters' state only, which DCP's strict check refuses."""
-    model.zero_grad(set_to_none=True)
-    loaded = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
-    dcp.load(
-        loaded,
-        checkpoint_id=checkpoint,
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-    )
-    set_model_state_dict(model, loaded["model"])
-    options = StateDictOptions(strict=not CASES[case_name][1])
-    set_optimizer_state_dict(model, optimizer, loaded["optimizer"], options=options)
 
 
 def run_case(case_name, rank, world_size, out_dir):
@@ -202,12 +109,12 @@ def run_case(case_name, rank, world_size, out_dir):
     model = sharded_model(case_name, world_size)
     optimizer = optimizer_for(model.parameters(), case_name)
     rows = rows_of(rank, world_size)
-    train(model, optimizer, dtype_name, rows, range(RESUME_AT))
+    PROBLEM.train(model, optimizer, dtype_name, rows, range(RESUME_AT))
     saved_params = local_values(model)
     saved_state = copy.deepcopy(optimizer.state_dict())
     checkpoint = os.path.join(out_dir, f"checkpoint-{case_name}")
     save_checkpoint(model, optimizer, checkpoint)
-    train(model, optimizer, dtype_name, rows, range(RESUME_AT, STEPS))
+    PROBLEM.train(model, optimizer, dtype_name, rows, range(RESUME_AT, STEPS))
     names = {id(p): n for n, p in model.named_parameters()}
     result = {
         "local": local_values(model),
@@ -222,11 +129,11 @@ def run_case(case_name, rank, world_size, out_dir):
             p.to_local().copy_(saved_params[n])
     resumed = optimizer_for(model.parameters(), case_name)
     resumed.load_state_dict(saved_state)
-    train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
+    PROBLEM.train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
     result["resumed"] = local_values(model)
     resumed = optimizer_for(model.parameters(), case_name)
-    load_checkpoint(model, resumed, checkpoint, case_name)
-    train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
+    load_checkpoint(model, resumed, checkpoint, CASES[case_name][1])
+    PROBLEM.train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
     result["resumed_dcp"] = local_values(model)
     return result
 
@@ -241,7 +148,7 @@ def save_case(case_name, rank, world_size, out_dir):
     """RESUME_AT steps of one case, then a checkpoint for ``resume_case``."""
     model = sharded_model(case_name, world_size)
     optimizer = optimizer_for(model.parameters(), case_name)
-    train(
+    PROBLEM.train(
         model,
         optimizer,
         CASES[case_name][0],
@@ -257,8 +164,10 @@ def resume_case(case_name, rank, world_size, out_dir):
     ranks: the whole parameters at the end."""
     model = sharded_model(case_name, world_size)
     optimizer = optimizer_for(model.parameters(), case_name)
-    load_checkpoint(model, optimizer, elastic_checkpoint(out_dir, case_name), case_name)
-    train(
+    load_checkpoint(
+        model, optimizer, elastic_checkpoint(out_dir, case_name), CASES[case_name][1]
+    )
+    PROBLEM.train(
         model,
         optimizer,
         CASES[case_name][0],
@@ -270,9 +179,9 @@ def resume_case(case_name, rank, world_size, out_dir):
 
 def single_process(case_name):
     dtype_name = CASES[case_name][0]
-    model = build(dtype_name)
+    model = PROBLEM.build(dtype_name)
     optimizer = optimizer_for(model.parameters(), case_name, distributed=False)
-    train(model, optimizer, dtype_name, slice(None), range(STEPS))
+    PROBLEM.train(model, optimizer, dtype_name, slice(None), range(STEPS))
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
@@ -287,7 +196,7 @@ def check_case(results, case_name):
     the largest relative difference from the single process."""
     dtype_name, sharded, _ = CASES[case_name]
     reference = single_process(case_name)
-    initial = dict(build(dtype_name).named_parameters())
+    initial = dict(PROBLEM.build(dtype_name).named_parameters())
     worst = 0.0
     for rank, result in enumerate(results):
         assert result["full"].keys() == reference.keys()

@@ -7,7 +7,7 @@ every case of :data:`CASES`: DDP with ``Replicated`` (the default) and with
 ``init_device_mesh("cpu", (world,))`` mesh: DTensor parameters, each gradient
 gathered whole, each rank applying its shard's slice) with either strategy.
 Every rank trains STEPS steps on its rows of each global batch (a NaN in rank
-0's rows at NAN_STEP: every rank skips that step) and the parent checks:
+0's rows at PROBLEM.nan_step: every rank skips that step) and the parent checks:
 
 * every rank ends with the same parameters (bitwise), each FSDP2 shard being
   ``torch.chunk``'s slice of them;
@@ -47,14 +47,22 @@ import pytest
 import torch
 
 from precond.torch import GraftingType, Shampoo, ShardedPreconditioning
+from tests.torch.small_net import (
+    DTYPES,
+    Problem,
+    fully_sharded,
+    load_checkpoint,
+    local_values,
+    rows_of,
+    save_checkpoint,
+)
 from tests.torch.spawned import check_spawned_cases
 
 STEPS = 6
-NAN_STEP = 2  # a NaN in rank 0's rows: the step is skipped on every rank
 RESUME_AT = 3  # the resumed runs reload the state saved after this many steps
-GLOBAL_BATCH = 16
-IN_FEATURES, HIDDEN, OUT_FEATURES = 10, 9, 9
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# A 9-wide hidden layer, 9 outputs (near square: the module docstring says why);
+# a NaN in rank 0's rows at step 2: the step is skipped on every rank.
+PROBLEM = Problem(hidden=9, out_features=9, nan_step=2)
 # Max |difference| (the parameters are at most ~1.5 in size): the global-batch
 # gradients differ from the ranks' by summation order only (~1e-16 / ~1e-7
 # relative); six steps carry that through the roots or bases (measured: see
@@ -69,26 +77,6 @@ CASES = {
 }
 # make(params, strategy, dtype name) -> the optimizer under test
 Make = Callable[[object, object, str], torch.optim.Optimizer]
-
-
-class Net(torch.nn.Module):
-    """Linear(10 → 9) → tanh → Linear(9 → 9), times a one-element scale
-    (fully_shard refuses 0-dim parameters), plus an unused parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = torch.nn.Linear(IN_FEATURES, HIDDEN)
-        self.out = torch.nn.Linear(HIDDEN, OUT_FEATURES)
-        self.scale = torch.nn.Parameter(torch.tensor([1.5]))
-        self.unused = torch.nn.Parameter(torch.randn(7, 3))
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.hidden(x))) * self.scale
-
-
-def build(dtype_name):
-    torch.manual_seed(0)
-    return Net().to(DTYPES[dtype_name])
 
 
 def make_shampoo(params, strategy, dtype_name):
@@ -106,108 +94,21 @@ def make_shampoo(params, strategy, dtype_name):
     )
 
 
-def batch(step, dtype_name):
-    generator = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(GLOBAL_BATCH, IN_FEATURES, generator=generator)
-    y = torch.randn(GLOBAL_BATCH, OUT_FEATURES, generator=generator)
-    if step == NAN_STEP:
-        x[0, 0] = float("nan")
-    return x.to(DTYPES[dtype_name]), y.to(DTYPES[dtype_name])
-
-
-def full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-
-
-def train(model, optimizer, dtype_name, rows, steps, record=None):
-    """``steps`` steps on ``rows`` of each global batch; ``record`` (a list)
-    gets each step's whole gradients by name."""
-    for step in steps:
-        x, y = batch(step, dtype_name)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        if record is not None:
-            record.append(
-                {
-                    n.removeprefix("module."): full(p.grad)
-                    for n, p in model.named_parameters()
-                    if p.grad is not None
-                }
-            )
-        optimizer.step()
-
-
 def wrapped(wrapper, dtype_name, world_size):
     """(the model as built, the module to train): DDP, or each layer and the
     whole ``fully_shard``-ed on a CPU mesh (every parameter a DTensor)."""
-    model = build(dtype_name)
+    model = PROBLEM.build(dtype_name)
     if wrapper == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, find_unused_parameters=True
         )
         return model, ddp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in (model.hidden, model.out):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, model
-
-
-def local_values(model):
-    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    return model, fully_sharded(model, world_size)
 
 
 def states_by_name(model, optimizer):
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: copy.deepcopy(s) for p, s in optimizer.state.items()}
-
-
-def save_checkpoint(model, optimizer, checkpoint):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    dcp.save(
-        {
-            "model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer),
-        },
-        checkpoint_id=checkpoint,
-    )
-
-
-def load_checkpoint(model, optimizer, checkpoint, sharded):
-    """As Kron's FSDP2 test loads: DCP's template optimizer state (made by a
-    step at lr 0) filled from the checkpoint; under ShardedPreconditioning each
-    rank holds its own parameters' state only, which a strict load refuses."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    model.zero_grad(set_to_none=True)
-    loaded = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
-    dcp.load(
-        loaded,
-        checkpoint_id=checkpoint,
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-    )
-    set_model_state_dict(model, loaded["model"])
-    options = StateDictOptions(strict=not sharded)
-    set_optimizer_state_dict(model, optimizer, loaded["optimizer"], options=options)
 
 
 def resumed_runs(make, case_name, model, rank, world_size, out_dir):
@@ -218,12 +119,12 @@ def resumed_runs(make, case_name, model, rank, world_size, out_dir):
     rows = rows_of(rank, world_size)
     optimizer = make(model.parameters(), strategy(), dtype_name)
     record: list = []
-    train(model, optimizer, dtype_name, rows, range(RESUME_AT), record)
+    PROBLEM.train(model, optimizer, dtype_name, rows, range(RESUME_AT), record)
     saved_params = local_values(model)
     saved_state = copy.deepcopy(optimizer.state_dict())
     checkpoint = os.path.join(out_dir, f"checkpoint-{case_name}")
     save_checkpoint(model, optimizer, checkpoint)
-    train(model, optimizer, dtype_name, rows, range(RESUME_AT, STEPS), record)
+    PROBLEM.train(model, optimizer, dtype_name, rows, range(RESUME_AT, STEPS), record)
     runs = {"local": local_values(model)}
     ended = {n: p.full_tensor() for n, p in model.named_parameters()}
     state = states_by_name(model, optimizer)
@@ -232,18 +133,13 @@ def resumed_runs(make, case_name, model, rank, world_size, out_dir):
             p.to_local().copy_(saved_params[n])
     resumed = make(model.parameters(), strategy(), dtype_name)
     resumed.load_state_dict(saved_state)
-    train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
+    PROBLEM.train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
     runs["resumed"] = local_values(model)
     resumed = make(model.parameters(), strategy(), dtype_name)
     load_checkpoint(model, resumed, checkpoint, sharded)
-    train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
+    PROBLEM.train(model, resumed, dtype_name, rows, range(RESUME_AT, STEPS))
     runs["resumed_dcp"] = local_values(model)
     return ended, state, record, runs
-
-
-def rows_of(rank, world_size):
-    shard = GLOBAL_BATCH // world_size
-    return slice(rank * shard, (rank + 1) * shard)
 
 
 def run_case(make, case_name, rank, world_size, out_dir):
@@ -259,7 +155,7 @@ def run_case(make, case_name, rank, world_size, out_dir):
         optimizer = make(model.parameters(), strategy, dtype_name)
         record, runs = [], {}
         rows = rows_of(rank, world_size)
-        train(trained, optimizer, dtype_name, rows, range(STEPS), record)
+        PROBLEM.train(trained, optimizer, dtype_name, rows, range(STEPS), record)
         ended = {n: p.detach().clone() for n, p in model.named_parameters()}
         state = states_by_name(model, optimizer)
     return {
@@ -273,10 +169,10 @@ def run_case(make, case_name, rank, world_size, out_dir):
 def single_process(make, dtype_name, grads=None):
     """One process (Replicated): on the whole global batches, or fed ``grads``
     (a list of each step's gradients by name). Its parameters and state."""
-    model = build(dtype_name)
+    model = PROBLEM.build(dtype_name)
     optimizer = make(model.parameters(), None, dtype_name)
     if grads is None:
-        train(model, optimizer, dtype_name, slice(None), range(STEPS))
+        PROBLEM.train(model, optimizer, dtype_name, slice(None), range(STEPS))
     for step_grads in grads or []:
         for n, p in model.named_parameters():
             p.grad = step_grads.get(n)

@@ -1,7 +1,8 @@
-"""The base of precond's torch optimizers (Kron, Pro, ProAdamW): the step's
-preamble (the closure, the gradients to use, the count of skipped steps), the
-argument tables and the learning-rate check, the momentum under torch's name,
-copies and pickling, checked param groups, state loads that keep dtypes."""
+"""The base of precond's torch optimizers (Kron, Pro, ProAdamW, Shampoo,
+SOAP): the step's preamble (the closure, the gradients to use, the count of
+skipped steps), the argument tables and the learning-rate check, the momentum
+under torch's name, copies and pickling, checked param groups, state loads
+that keep dtypes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from precond._common.kron_arguments import KRON_SHARED_ARGUMENT_CHECKS
 from precond._common.validation import check_real
-from precond.torch._core.dtensor import check_dtensor_parameter
+from precond.torch._core.dtensor import check_dtensor_parameter, full_gradients
 from precond.torch._core.step_policy import skipped_for_unusable_gradients
 from precond.torch._core.tensors import copy_to_device
 
@@ -318,6 +319,24 @@ class CheckedOptimizer(torch.optim.Optimizer):
                 "moved by weight decay alone" if decay else "did not move",
             )
         return True
+
+    def _usable_entries(
+        self, check_gradient: Callable[[torch.Tensor], None], *, decay: bool = True
+    ) -> tuple[list[tuple[dict, torch.Tensor, int]], list[torch.Tensor]] | None:
+        """The step's preamble: ``(entries, gradients)``, the (group, parameter,
+        index) of each parameter with a gradient (:func:`gradient_entries`,
+        which refuses through ``check_gradient`` a gradient the optimizer cannot
+        take) and their whole gradients (a DTensor's gathered on every rank);
+        None when there is nothing to step: no parameter has a gradient, or one
+        is unusable and the step is skipped
+        (:meth:`_skipped_for_unusable_gradients`, whose ``decay`` this is)."""
+        entries = gradient_entries(self.param_groups, check_gradient)
+        if not entries:
+            return None
+        grads = full_gradients([p for _, p, _ in entries])
+        if self._skipped_for_unusable_gradients(entries, grads, decay=decay):
+            return None
+        return entries, grads
 
     def _load_keeping_dtypes(
         self, state_dict: dict[str, Any], kept: tuple[str, ...]

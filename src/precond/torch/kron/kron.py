@@ -69,12 +69,11 @@ from typing import Any, cast
 import torch
 
 from precond.torch._core import factor_kernels as km
-from precond.torch._core.dtensor import full_gradients, is_dtensor
+from precond.torch._core.dtensor import is_dtensor
 from precond.torch._core.optimizer import (
     check_arguments,
     closure_loss,
     eager_step,
-    gradient_entries,
     group_defaults,
 )
 from precond.torch._core.profiling import profiled_stage
@@ -263,13 +262,10 @@ class Kron(KronCheckpointing):
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = closure_loss(closure)
         self._sync_momentum()
-        entries = gradient_entries(self.param_groups, check_gradient)
-        if not entries:
+        usable = self._usable_entries(check_gradient)
+        if usable is None:
             return loss
-        # Whole gradients: a DTensor's is gathered (precond.torch._core.dtensor).
-        full = full_gradients([p for _, p, _ in entries])
-        if self._skipped_for_unusable_gradients(entries, full):
-            return loss
+        entries, full = usable
         grads = {index: g for (_, _, index), g in zip(entries, full, strict=True)}
         draws = (
             None

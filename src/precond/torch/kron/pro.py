@@ -34,7 +34,6 @@ from precond.torch._core import factor_kernels as km
 from precond.torch._core import optimizer as shared
 from precond.torch._core.dtensor import (
     check_dtensor_parameter,
-    full_gradients,
     local_part,
     local_value,
 )
@@ -245,14 +244,9 @@ class Pro(shared.CheckedOptimizer):
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = shared.closure_loss(closure)
         self._sync_momentum()
-        entries = shared.gradient_entries(self.param_groups, _check_gradient)
-        if not entries:
-            return loss
-        # Whole gradients: a DTensor's is gathered (precond.torch._core.dtensor).
-        full = full_gradients([p for _, p, _ in entries])
-        if self._skipped_for_unusable_gradients(entries, full):
-            return loss
-        self._step_entries(entries, full)
+        usable = self._usable_entries(_check_gradient)
+        if usable is not None:
+            self._step_entries(*usable)
         return loss
 
     def _step_entries(self, entries: list, full: list[torch.Tensor]) -> None:

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 
 from precond.torch._core.dtensor import (
-    full_gradients,
     full_value,
     is_dtensor,
     local_part,
@@ -55,7 +54,6 @@ from precond.torch._core.optimizer import (
     check_arguments,
     closure_loss,
     eager_step,
-    gradient_entries,
     group_defaults,
     saved_parameters,
 )
@@ -281,15 +279,12 @@ class Shampoo(CheckedOptimizer):
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = closure_loss(closure)
         self._sync_momentum()
-        entries = gradient_entries(self.param_groups, check_gradient)
-        if not entries:
-            return loss
-        # Whole gradients (and, for the weight decay, parameters): a DTensor's
-        # are gathered on every rank, owner or not (precond.torch._core.dtensor).
-        full = full_gradients([p for _, p, _ in entries])
         # No weight decay on a skipped step either: JAX's returns zero updates.
-        if self._skipped_for_unusable_gradients(entries, full, decay=False):
+        usable = self._usable_entries(check_gradient, decay=False)
+        if usable is None:
             return loss
+        entries, full = usable
+        # Whole parameters for the weight decay, gathered as the gradients are.
         grads = {i: g for (_, _, i), g in zip(entries, full, strict=True)}
         values = {
             i: full_value(p) for group, p, i in entries if group["weight_decay"] != 0

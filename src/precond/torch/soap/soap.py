@@ -58,7 +58,7 @@ import torch
 
 from precond.torch._core import optimizer as shared
 from precond.torch._core.blocks import cut, paste
-from precond.torch._core.dtensor import full_gradients, local_part, local_value
+from precond.torch._core.dtensor import local_part, local_value
 from precond.torch._core.profiling import profiled_stage
 from precond.torch._core.step_policy import STEP
 from precond.torch._core.tensors import scalar, working_dtype
@@ -201,12 +201,10 @@ class SOAP(shared.CheckedOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; ``closure`` re-evaluates the loss (grads enabled)."""
         loss = shared.closure_loss(closure)
-        entries = shared.gradient_entries(self.param_groups, check_gradient)
-        if not entries:
+        usable = self._usable_entries(check_gradient)
+        if usable is None:
             return loss
-        full = full_gradients([p for _, p, _ in entries])
-        if self._skipped_for_unusable_gradients(entries, full):
-            return loss
+        entries, full = usable
         owners = owners_of(self.strategy, self.param_groups, entries, _cost)
         rank = self.strategy.rank
         steps: dict[int, torch.Tensor] = {}
