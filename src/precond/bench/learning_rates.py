@@ -10,12 +10,19 @@ from __future__ import annotations
 CHAR_LM_LARGE_ADAMW = 5e-3
 CHAR_LM_LARGE_MUON = 0.04
 CHAR_LM_LARGE_PRO_ADAMW = 5e-3  # pro_adamw's: its lowest measured, an edge
+# The deeper transformer, a model no default was chosen on, starts from the
+# larger one's rates (see ``_rates``); AdamW, Muon and pro_adamw were then swept
+# on it (BENCHMARKS.md, "Models the defaults were not chosen on").
 
 
 def _rates(**by_workload: float) -> dict[str, float]:
     """workload ↦ rate, from keyword arguments named after the workloads (with
-    underscores for their hyphens)."""
-    return {name.replace("_", "-"): rate for name, rate in by_workload.items()}
+    underscores for their hyphens); the deeper transformer takes the larger
+    one's rate unless given its own."""
+    rates = {name.replace("_", "-"): rate for name, rate in by_workload.items()}
+    if "char-lm-large" in rates:
+        rates.setdefault("char-lm-deep", rates["char-lm-large"])
+    return rates
 
 
 # Peak learning rate of each optimizer, per framework and workload: the lowest
@@ -101,8 +108,12 @@ LEARNING_RATES: dict[str, dict[str, dict[str, float]]] = {
         for f in ("jax", "torch")
     },
     # SOAP: swept on the default workloads (JAX, seed 0: teacher-student 0.0089,
-    # 0.027, 0.081; char-lm 0.0033, 0.01, 0.03, 0.06, 0.1); AdamW's rate elsewhere.
-    "soap": {f: _times(1.0, _ADAMW, char_lm=0.03) for f in ("jax", "torch")},
+    # 0.027, 0.081; char-lm 0.0033, 0.01, 0.03, 0.06, 0.1) and on the larger
+    # transformer (3.75e-3, 7.5e-3, 0.015, 0.03); AdamW's rate elsewhere.
+    "soap": {
+        f: _times(1.0, _ADAMW, char_lm=0.03, char_lm_large=7.5e-3)
+        for f in ("jax", "torch")
+    },
     "xmat": {"jax": _times(1.0, _ADAMW, digits_cnn=6e-3, char_lm=5e-3)},
     "lra": {
         "jax": _times(1.0, _ADAMW, digits_mlp=0.012, digits_cnn=6e-3, char_lm=5e-3)

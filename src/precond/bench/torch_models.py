@@ -21,6 +21,7 @@ from precond.bench.jax_models import (
     CHAR_LM_HEADS,
     CHAR_LM_LAYERS,
     CHAR_LM_MLP_RATIO,
+    DEEP_CHAR_LM,
     DIGITS_CNN_CHANNELS,
     DIGITS_CNN_HIDDEN,
     DIGITS_LAYER_SIZES,
@@ -166,6 +167,7 @@ MODELS = {
     "cnn": CNN,
     "char-lm": CharLM,
     "char-lm-large": functools.partial(CharLM, *LARGE_CHAR_LM),
+    "char-lm-deep": functools.partial(CharLM, *DEEP_CHAR_LM),
     "teacher-student": functools.partial(TanhMLP, TEACHER_STUDENT_SIZES),
 }
 

@@ -25,6 +25,7 @@ from precond.bench.data import (  # re-exported: the benchmark scripts use them
     load_teacher_student_split,
 )
 from precond.bench.jax_models import (
+    DEEP_CHAR_LM,
     LARGE_CHAR_LM,
     TEACHER_STUDENT_SIZES,
     char_lm_hidden_matrices,
@@ -200,8 +201,8 @@ WORKLOADS: dict[str, Workload] = {
         _workload(
             "char-lm-large",
             "4-layer decoder-only transformer (d 256, 4 heads, context 64) on "
-            "char-lm's text; not in the default suite: a model the defaults were "
-            "not chosen on",
+            "char-lm's text; not in the default suite: one of the models "
+            "pro_adamw's defaults were measured on",
             load_char_lm_split,
             functools.partial(
                 init_char_lm, d_model=LARGE_CHAR_LM[0], layers=LARGE_CHAR_LM[1]
@@ -209,6 +210,23 @@ WORKLOADS: dict[str, Workload] = {
             char_lm_logits,
             char_lm_hidden_matrices,
             "char-lm-large",
+            steps=300,
+            batch_size=16,
+            eval_every=25,
+            default=False,
+        ),
+        _workload(
+            "char-lm-deep",
+            "6-layer decoder-only transformer (d 256, 4 heads, context 64) on "
+            "char-lm's text; not in the default suite: a model no default of the "
+            "bench or of pro_adamw was chosen on",
+            load_char_lm_split,
+            functools.partial(
+                init_char_lm, d_model=DEEP_CHAR_LM[0], layers=DEEP_CHAR_LM[1]
+            ),
+            char_lm_logits,
+            char_lm_hidden_matrices,
+            "char-lm-deep",
             steps=300,
             batch_size=16,
             eval_every=25,
