@@ -453,7 +453,9 @@ TORCH_CASES = [
         lambda params: pt.SOAP(params, lr=0.01, max_precond_dim=11, refresh="eigh"),
     ),
     torch_case("torch_shampoo", torch_shampoo()),
-    torch_case("torch_shampoo_adagrad", torch_shampoo(graft_type=pt.GraftingType.ADAGRAD)),
+    torch_case(
+        "torch_shampoo_adagrad", torch_shampoo(graft_type=pt.GraftingType.ADAGRAD)
+    ),
     kfac_case("torch_kfac_eigen"),
     kfac_case(
         "torch_kfac_inverse",

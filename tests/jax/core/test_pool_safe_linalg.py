@@ -116,6 +116,35 @@ def test_qr_batched_equals_numpy():
     np.testing.assert_allclose(np.abs(q), np.abs(want), atol=1e-10)
 
 
+def _branches(jaxpr) -> list[str]:
+    """The branches, printed, of the first ``cond`` (``platform_dependent``'s)
+    in ``jaxpr``."""
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "cond":
+            return [str(branch) for branch in equation.params["branches"]]
+    raise AssertionError(f"no cond in {jaxpr}")
+
+
+@pytest.mark.parametrize(("kernel", "name"), [(eigh, "eigh"), (qr, "qr")])
+def test_batches_loop_on_the_cpu_only(kernel, name):
+    """Batched, each kernel is one ``platform_dependent`` choice: a loop over
+    the matrices (``scan``, from ``lax.map``) for the CPU, and jax's kernel
+    on the whole batch, no loop, for every other platform; the CPU program
+    holds the loop (the test above checks that its LAPACK calls take one
+    matrix each)."""
+    matrices = jnp.ones((3, 4, 4))
+    jaxpr = jax.make_jaxpr(jax.vmap(kernel))(matrices).jaxpr
+    assert "platform_index" in {e.primitive.name for e in jaxpr.eqns}
+    looped, batched = _branches(jaxpr)
+    assert "scan" in looped
+    assert "scan" not in batched
+    # The kernel itself on the branch's argument a, the 3 matrices (eigh
+    # first symmetrizes it into f).
+    assert re.search(rf"\] = {name}\[[^\]]*\] [af]\b", batched), batched
+    text = jax.jit(jax.vmap(kernel)).lower(matrices).as_text()
+    assert "while" in text, "the CPU program does not loop"
+
+
 # A stack of equal-shaped layers, so that every optimizer vmaps its kernels.
 PARAMS = {
     "w": jnp.ones((4, 24, 24)) + jnp.eye(24),

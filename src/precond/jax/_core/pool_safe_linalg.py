@@ -13,13 +13,17 @@ programs make no batched LAPACK call:
   CPU, which XLA expands into loops of matrix products inside the program:
   nothing waits on the pool, and batch axes are split over devices like any
   other (it is also several times faster than the LAPACK call there).
-* :func:`eigh` and :func:`qr` map a batch one matrix at a time (``lax.map``):
-  a LAPACK call on one matrix runs on its caller's thread.
+* :func:`eigh` and :func:`qr` map a batch one matrix at a time (``lax.map``)
+  on the CPU: a LAPACK call on one matrix runs on its caller's thread.
 
-Other backends get ``jax.lax.linalg``'s kernels unchanged.
+Other backends get ``jax.lax.linalg``'s kernels unchanged, batched (the choice
+is ``jax.lax.platform_dependent``'s, made when the program is lowered: the
+compiler sees one branch).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +37,9 @@ _solve_p = Primitive("precond_triangular_solve")
 
 @jax.custom_batching.custom_vmap
 def eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``jnp.linalg.eigh`` of a symmetric (Hermitian) matrix, batched by
-    ``jax.vmap`` into a loop over the batch (module docstring).
+    """``jnp.linalg.eigh`` of a symmetric (Hermitian) matrix; ``jax.vmap``
+    batches it into a loop over the batch on the CPU, into one batched call
+    elsewhere (module docstring).
 
     Args:
       matrix: one (n, n) symmetric matrix (its lower triangle is read).
@@ -42,21 +47,29 @@ def eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     Returns:
       (eigenvalues ascending, (n,); eigenvectors as columns, (n, n)).
     """
+    return _plain_eigh(matrix)
+
+
+def _plain_eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     eigenvalues, eigenvectors = jnp.linalg.eigh(matrix)
     return eigenvalues, eigenvectors
 
 
 @eigh.def_vmap
-def _eigh_one_at_a_time(axis_size, in_batched, matrices):
+def _eigh_batched(axis_size, in_batched, matrices):
     del axis_size, in_batched  # one argument, batched: the rule is only called so
-    return jax.lax.map(eigh, matrices), (True, True)
+    decompositions = jax.lax.platform_dependent(
+        matrices,
+        cpu=functools.partial(jax.lax.map, eigh),
+        default=jax.vmap(_plain_eigh),
+    )
+    return decompositions, (True, True)
 
 
 @jax.custom_batching.custom_vmap
 def qr(matrix: jax.Array) -> jax.Array:
     """The orthonormal factor Q of ``jnp.linalg.qr`` (Householder, R's diagonal
-    of either sign), batched by ``jax.vmap`` into a loop over the batch (module
-    docstring).
+    of either sign); ``jax.vmap`` batches it as :func:`eigh`.
 
     Args:
       matrix: one (m, n) matrix, m >= n.
@@ -64,13 +77,22 @@ def qr(matrix: jax.Array) -> jax.Array:
     Returns:
       Q, (m, n), with ``matrix = Q·R`` for an upper triangular R.
     """
+    return _plain_q(matrix)
+
+
+def _plain_q(matrix: jax.Array) -> jax.Array:
     return jnp.linalg.qr(matrix)[0]
 
 
 @qr.def_vmap
-def _qr_one_at_a_time(axis_size, in_batched, matrices):
+def _qr_batched(axis_size, in_batched, matrices):
     del axis_size, in_batched  # as eigh's rule
-    return jax.lax.map(qr, matrices), True
+    factors = jax.lax.platform_dependent(
+        matrices,
+        cpu=functools.partial(jax.lax.map, qr),
+        default=jax.vmap(_plain_q),
+    )
+    return factors, True
 
 
 def triangular_solve(
