@@ -623,7 +623,7 @@ def _hessian_helper_signature():
 def _trajectory_table():
     from tests import trajectories
 
-    assert (len(trajectories.CASES), trajectories.STEPS) == (66, 20)
+    assert (len(trajectories.CASES), trajectories.STEPS) == (75, 20)
     assert trajectories.CROSS_MACHINE_RTOL == 2e-4
 
 
@@ -670,7 +670,7 @@ CLAIMS: dict[str, Callable[[], None]] = {
     "`max_skew_triangular` defaults to kron-torch's 10": _torch_kron_defaults,
     "# per-parameter step size (default: SGD's)": _shampoo_grafts_as_sgd_by_default,
     "(psgd-jax's signature": _hessian_helper_signature,
-    "holds 66 optimizer settings, 20 steps each": _trajectory_table,
+    "holds 75 optimizer settings, 20 steps each": _trajectory_table,
     "each entry must lie within 2e-4 of its array's largest entry": _trajectory_table,
 }
 
