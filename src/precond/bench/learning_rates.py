@@ -10,9 +10,9 @@ from __future__ import annotations
 CHAR_LM_LARGE_ADAMW = 5e-3
 CHAR_LM_LARGE_MUON = 0.04
 CHAR_LM_LARGE_PRO_ADAMW = 5e-3  # pro_adamw's: its lowest measured, an edge
-# The deeper transformer, a model no default was chosen on, starts from the
-# larger one's rates (see ``_rates``); AdamW, Muon and pro_adamw were then swept
-# on it (BENCHMARKS.md, "Models the defaults were not chosen on").
+# The deeper transformer, a model no default was chosen on, takes the larger
+# one's rates (see ``_rates``), unswept (BENCHMARKS.md, "Models the defaults
+# were not chosen on").
 
 
 def _rates(**by_workload: float) -> dict[str, float]:
