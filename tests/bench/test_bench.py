@@ -971,6 +971,49 @@ def test_muon_and_pro_adamw_are_in_the_default_suite():
         assert set(OPTIMIZERS[name].frameworks()) == {"jax", "torch"}, name
 
 
+@pytest.mark.parametrize("workload", ["teacher-student", "digits-cnn", "char-lm"])
+def test_bench_s_pro_adamw_is_the_alias_called_with_the_rate_alone(workload):
+    """The bench measures the one-call alias as a user calls it: the same
+    update as ``pro_adamw(lr, weight_decay=...)`` (its own split of the
+    parameters, not Muon's), and in PyTorch the same split as
+    ``ProAdamW(model.named_parameters(), ...)``."""
+    import jax
+    import jax.numpy as jnp
+
+    import precond.jax as pj
+
+    spec, entry = OPTIMIZERS["pro-adamw"], WORKLOADS[workload]
+    params = entry.init_params(0)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01) + 0.1 * p, params)
+    expected = pj.pro_adamw(0.01, weight_decay=1e-4)
+    built = spec.build("jax", entry, 0.01, 1e-4)
+    got, _ = built.update(grads, built.init(params), params)
+    want, _ = expected.update(grads, expected.init(params), params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    torch = pytest.importorskip("torch")
+    from precond.bench.torch_models import build_model
+    from precond.torch import ProAdamW
+
+    model = build_model(entry.torch_model, 0)
+    direct = ProAdamW(model.named_parameters(), lr=0.01, weight_decay=1e-4)
+    bench = spec.build("torch", entry, 0.01, 1e-4, model=model).optimizer
+    adamw_parts = []
+    for optimizer in (direct, bench):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.01)
+        optimizer.step()
+        adamw_parts.append(
+            [
+                name
+                for name, p in model.named_parameters()
+                if "exp_avg" in optimizer.state[p]
+            ]
+        )
+    assert adamw_parts[0] == adamw_parts[1]
+
+
 # ------------------------------------------------------------------- full suites
 
 

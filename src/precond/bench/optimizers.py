@@ -224,17 +224,14 @@ def _make_pro(learning_rate, weight_decay: float):
     return pro(learning_rate=learning_rate, weight_decay=weight_decay)
 
 
-def _make_pro_adamw(
-    learning_rate, weight_decay: float, *, hidden_matrices: Callable[[Any], Any]
-):
-    """``precond.jax.pro_adamw`` (its defaults: pro at 2 times AdamW's rate on
-    the hidden matrices, b1 0.7, 'QEQ' fits on its schedule; AdamW on the rest)
-    with the workload's split, Muon's (the one the recipe was measured with)."""
+def _make_pro_adamw(learning_rate, weight_decay: float):
+    """``precond.jax.pro_adamw`` called as a user calls it: its defaults (pro at
+    2 times AdamW's rate, b1 0.7, 'QEQ' fits on its schedule) and its own rule
+    for which parameters pro takes (every weight matrix but embeddings and
+    named heads: on the MLPs the output layer too, unlike Muon's split)."""
     from precond.jax import pro_adamw
 
-    return pro_adamw(
-        learning_rate, weight_decay=weight_decay, preconditioned=hidden_matrices
-    )
+    return pro_adamw(learning_rate, weight_decay=weight_decay)
 
 
 def _make_psgd_jax(alias: str) -> Callable:
@@ -406,19 +403,13 @@ def _make_torch_pro(model, lr: float, weight_decay: float) -> TorchOptimizer:
 
 
 def _make_torch_pro_adamw(model, lr: float, weight_decay: float) -> TorchOptimizer:
-    """``precond.torch.ProAdamW`` with its defaults, pro on
-    ``model.hidden_matrices()`` and AdamW on the other parameters."""
+    """``precond.torch.ProAdamW`` called as a user calls it: its defaults, and
+    its rule on the names of ``model.named_parameters()`` (the JAX alias's)."""
     from precond.torch import ProAdamW
 
-    hidden = {id(p) for p in model.hidden_matrices()}
-    groups = [
-        {
-            "params": [p for p in model.parameters() if (id(p) in hidden) is pro],
-            "preconditioned": pro,
-        }
-        for pro in (True, False)
-    ]
-    return TorchOptimizer(ProAdamW(groups, lr=lr, weight_decay=weight_decay))
+    return TorchOptimizer(
+        ProAdamW(model.named_parameters(), lr=lr, weight_decay=weight_decay)
+    )
 
 
 def _make_torch_shampoo(model, lr: float, weight_decay: float) -> TorchOptimizer:
@@ -549,13 +540,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         ),
         OptimizerSpec(
             name="pro-adamw",
-            description="pro on hidden weight matrices, AdamW on the rest "
-            "(precond.jax.pro_adamw / precond.torch.ProAdamW, their defaults: pro "
-            "at 2 times the AdamW rate, b1 0.7, 'QEQ' fits on a schedule)",
+            description="pro on the weight matrices, AdamW on the rest "
+            "(precond.jax.pro_adamw / precond.torch.ProAdamW called with the rate "
+            "alone: their defaults and their own split, pro at 2 times the AdamW "
+            "rate, b1 0.7, 'QEQ' fits on a schedule)",
             make=_make_pro_adamw,
             make_torch=_make_torch_pro_adamw,
             learning_rates=LEARNING_RATES["pro-adamw"],
-            partitioned=True,
         ),
         *(
             OptimizerSpec(
