@@ -10,19 +10,12 @@ from __future__ import annotations
 CHAR_LM_LARGE_ADAMW = 5e-3
 CHAR_LM_LARGE_MUON = 0.04
 CHAR_LM_LARGE_PRO_ADAMW = 5e-3  # pro_adamw's: its lowest measured, an edge
-# The deeper transformer, a model no default was chosen on, takes the larger
-# one's rates (see ``_rates``), unswept (BENCHMARKS.md, "Models the defaults
-# were not chosen on").
 
 
 def _rates(**by_workload: float) -> dict[str, float]:
     """workload ↦ rate, from keyword arguments named after the workloads (with
-    underscores for their hyphens); the deeper transformer takes the larger
-    one's rate unless given its own."""
-    rates = {name.replace("_", "-"): rate for name, rate in by_workload.items()}
-    if "char-lm-large" in rates:
-        rates.setdefault("char-lm-deep", rates["char-lm-large"])
-    return rates
+    underscores for their hyphens)."""
+    return {name.replace("_", "-"): rate for name, rate in by_workload.items()}
 
 
 # Peak learning rate of each optimizer, per framework and workload: the lowest
@@ -139,3 +132,21 @@ MUON_ADAM_LEARNING_RATES: dict[str, dict[str, float]] = {
     "jax": _MUON_ADAM,
     "torch": _times(1.0, _MUON_ADAM, digits_mlp=9e-3, digits_cnn=9e-3),
 }
+
+# Workloads that take another workload's rates, unswept: the deeper transformer,
+# a model no default was chosen on, takes the larger one's (BENCHMARKS.md,
+# "Models the defaults were not chosen on").
+RATES_TAKEN_FROM = {"char-lm-deep": "char-lm-large"}
+
+
+def _take_rates(by_workload: dict[str, float]) -> None:
+    """Give each workload of :data:`RATES_TAKEN_FROM` its source's rate in
+    ``by_workload`` (workload ↦ rate), where the source has one."""
+    for workload, source in RATES_TAKEN_FROM.items():
+        if source in by_workload:
+            by_workload.setdefault(workload, by_workload[source])
+
+
+for _tables in (*LEARNING_RATES.values(), MUON_ADAM_LEARNING_RATES):
+    for _by_workload in _tables.values():
+        _take_rates(_by_workload)
