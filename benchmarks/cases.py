@@ -309,7 +309,7 @@ def jax_pairs(models=MODELS) -> list[Case]:
 def _jax_subjects(model: str) -> list[tuple[str, str, int, Callable[[], Any]]]:
     """(optimizer, setting, steps per round, its transformation) vs AdamW."""
     import precond.jax as pj
-    from precond.bench.optimizers import make_shampoo
+    from precond.bench.jax_optimizers import make_shampoo
     from precond.bench.workloads import get_workload
 
     base = dict(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
