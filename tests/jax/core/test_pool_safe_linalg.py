@@ -116,33 +116,27 @@ def test_qr_batched_equals_numpy():
     np.testing.assert_allclose(np.abs(q), np.abs(want), atol=1e-10)
 
 
-def _branches(jaxpr) -> list[str]:
-    """The branches, printed, of the first ``cond`` (``platform_dependent``'s)
-    in ``jaxpr``."""
-    for equation in jaxpr.eqns:
-        if equation.primitive.name == "cond":
-            return [str(branch) for branch in equation.params["branches"]]
-    raise AssertionError(f"no cond in {jaxpr}")
+# A solver call (jaxlib's FFI: lapack_ssyevd_ffi, cusolver_geqrf_ffi, ...), its
+# library and the number of batch axes it was given.
+SOLVER_CALL = re.compile(r'@(lapack|cusolver)_\w+?_ffi\(.*num_batch_dims = "(\d+)"')
 
 
-@pytest.mark.parametrize(("kernel", "name"), [(eigh, "eigh"), (qr, "qr")])
-def test_batches_loop_on_the_cpu_only(kernel, name):
-    """Batched, each kernel is one ``platform_dependent`` choice: a loop over
-    the matrices (``scan``, from ``lax.map``) for the CPU, and jax's kernel
-    on the whole batch, no loop, for every other platform; the CPU program
-    holds the loop (the test above checks that its LAPACK calls take one
-    matrix each)."""
-    matrices = jnp.ones((3, 4, 4))
-    jaxpr = jax.make_jaxpr(jax.vmap(kernel))(matrices).jaxpr
-    assert "platform_index" in {e.primitive.name for e in jaxpr.eqns}
-    looped, batched = _branches(jaxpr)
-    assert "scan" in looped
-    assert "scan" not in batched
-    # The kernel itself on the branch's argument a, the 3 matrices (eigh
-    # first symmetrizes it into f).
-    assert re.search(rf"\] = {name}\[[^\]]*\] [af]\b", batched), batched
-    text = jax.jit(jax.vmap(kernel)).lower(matrices).as_text()
-    assert "while" in text, "the CPU program does not loop"
+def _exported(kernel, platform: str) -> str:
+    """The StableHLO of ``kernel`` vmapped over 3 matrices, exported for
+    ``platform`` (no device of it needed)."""
+    exported = jax.export.export(jax.jit(jax.vmap(kernel)), platforms=[platform])
+    return exported(jnp.ones((3, 4, 4))).mlir_module()
+
+
+@pytest.mark.parametrize("kernel", [eigh, qr], ids=["eigh", "qr"])
+def test_batches_loop_on_the_cpu_only(kernel):
+    """Batched, the CPU program loops over the matrices and hands LAPACK one at
+    a time; the GPU program is jax's kernel on the whole batch, no loop."""
+    cpu, gpu = _exported(kernel, "cpu"), _exported(kernel, "cuda")
+    assert "stablehlo.while" in cpu
+    assert {call for call in SOLVER_CALL.findall(cpu)} == {("lapack", "0")}
+    assert "stablehlo.while" not in gpu
+    assert {call for call in SOLVER_CALL.findall(gpu)} == {("cusolver", "1")}
 
 
 # A stack of equal-shaped layers, so that every optimizer vmaps its kernels.
